@@ -1,0 +1,112 @@
+"""The `deltaserve` command: `generate` and `make-model`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from deltaserve.config.engine_config import EngineConfig
+
+_ENGINE_FLAGS: list[tuple[str, dict]] = [
+    ("--model", dict(default=None, help="checkpoint directory (default: the embedded tiny model)")),
+    ("--tokenizer", dict(default=None, help="tokenizer directory (default: the model's)")),
+    ("--trust-remote-code", dict(action="store_true", help="let transformers run the checkpoint's own code")),
+    ("--dtype", dict(default="auto", help="auto | float32 | float16 | bfloat16")),
+    ("--device", dict(default=None, help="cpu | cuda | cuda:N (default: cuda when available)")),
+    ("--max-num-seqs", dict(type=int, default=EngineConfig.max_num_seqs)),
+    ("--max-num-batched-tokens", dict(type=int, default=EngineConfig.max_num_batched_tokens)),
+    ("--block-size", dict(type=int, default=EngineConfig.block_size)),
+    ("--max-model-len", dict(type=int, default=None)),
+    ("--cache-memory", dict(default=None, help="bytes for KV cache + state pool, e.g. 2GiB")),
+    ("--gpu-memory-utilization", dict(type=float, default=EngineConfig.gpu_memory_utilization)),
+    ("--enforce-eager", dict(action="store_true")),
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for flag, kwargs in _ENGINE_FLAGS:
+        group.add_argument(flag, **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    names = [flag[2:].replace("-", "_") for flag, _ in _ENGINE_FLAGS]
+    return {name: getattr(args, name) for name in names if name != "model"}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from deltaserve import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(model=args.model, seed=args.seed if args.seed is not None else 0, **engine_options(args))
+    prompt: str | dict = args.prompt
+    if args.prompt_token_ids:
+        prompt = {"prompt_token_ids": [int(t) for t in args.prompt.replace(",", " ").split()]}
+    output = llm.generate(prompt, params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    if llm.get_tokenizer() is None:
+        print(" ".join(map(str, completion.token_ids)))
+    else:
+        print(completion.text)
+    return 0
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from deltaserve.model_files.make_model import make_model
+
+    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaserve", description="Serve hybrid linear-attention LLMs.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the completion")
+    gen.add_argument("prompt", help="the prompt text (or ids with --prompt-token-ids)")
+    gen.add_argument("--prompt-token-ids", action="store_true", help="read PROMPT as space-separated ids")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_arguments(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    make = sub.add_parser("make-model", help="write a random-weight Kimi Linear checkpoint")
+    make.add_argument("--preset", required=True, help="tiny | small | kimi-linear-48b-a3b")
+    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: the preset's)")
+    make.set_defaults(func=_cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"deltaserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

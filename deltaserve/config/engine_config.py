@@ -1,0 +1,82 @@
+"""The engine's own options, validated once when they are parsed.
+
+Names follow vLLM's `LLM(...)` / `EngineArgs` so that users' code and command lines carry over.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+from deltaserve.config.parallel import ParallelConfig
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: int | str | None, what: str = "cache_memory") -> int | None:
+    """`1073741824`, `"1GiB"`, `"512MB"` -> bytes."""
+    if value is None or isinstance(value, int):
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"{what}={value} must be a positive number of bytes")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"{what}={value!r} is not a size; write e.g. 2000000000, 2GB or 2GiB")
+    num = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if num <= 0:
+        raise ValueError(f"{what}={value!r} must be a positive number of bytes")
+    return num
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` and `deltaserve generate/serve` accept besides sampling."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    device: str | None = None
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    max_model_len: int | None = None
+    cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # override the sized number of KV blocks (tests, debugging)
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    parallel: ParallelConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (e.g. 16)")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        self.cache_memory = parse_bytes(self.cache_memory)
+        self.parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size
+        )
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.init]

@@ -1,0 +1,51 @@
+"""How the model is split over ranks. Everything is 1 today; layers and the model already ask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """`numerator / denominator`, refusing a split that does not come out even."""
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by the parallel size {denominator}")
+    return numerator // denominator
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """This rank's place in the tensor- and pipeline-parallel grid."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    pipeline_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size must be 1: "
+                "multi-rank execution is not implemented yet"
+            )
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} out of range")
+        if not 0 <= self.pipeline_parallel_rank < self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_rank={self.pipeline_parallel_rank} out of range")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline_parallel_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline_parallel_rank == self.pipeline_parallel_size - 1
+
+    def stage_layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The contiguous [start, end) of decoder layers this pipeline stage owns."""
+        per_stage, extra = divmod(num_layers, self.pipeline_parallel_size)
+        rank = self.pipeline_parallel_rank
+        start = rank * per_stage + min(rank, extra)
+        return start, start + per_stage + (1 if rank < extra else 0)

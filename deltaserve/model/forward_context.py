@@ -1,0 +1,70 @@
+"""The per-step metadata every attention-like layer reads, set once per forward by a context manager.
+
+A step's tokens are flattened: the sequences that decode (one new token on top of existing state)
+come first, then the prefill chunks (one or more tokens, maybe with earlier chunks already cached).
+The model runner builds this object; layers only read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSequence:
+    """One prefill chunk, as the MLA prefill path needs it (host-side numbers, no sync)."""
+
+    token_start: int  # first row of this chunk in the flattened step
+    num_new_tokens: int
+    num_context_tokens: int  # tokens already cached before this chunk
+    block_ids: torch.Tensor  # [num_blocks] long, the blocks holding all num_context + num_new tokens
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Metadata of one forward step.
+
+    Shapes: T = tokens in the step, D = decoding sequences (their tokens are rows [0, D)),
+    P = prefill chunks (rows [D, T)).
+    """
+
+    num_tokens: int
+    num_decodes: int
+    slot_mapping: torch.Tensor  # [T] long: flat KV slot (block_id * block_size + offset) of each token
+    # decode sequences
+    decode_state_slots: torch.Tensor  # [D] long
+    decode_block_tables: torch.Tensor  # [D, max_blocks] long (padded)
+    decode_seq_lens: torch.Tensor  # [D] long: cached tokens including the new one
+    # prefill chunks
+    prefill_cu_seqlens: torch.Tensor  # [P + 1] long, relative to row D
+    prefill_state_slots: torch.Tensor  # [P] long
+    prefill_has_initial_state: torch.Tensor  # [P] bool
+    prefill_sequences: tuple[PrefillSequence, ...]
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_sequences)
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` visible to the layers for the duration of one forward pass."""
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context is set: run the model inside set_forward_context(...)")
+    return _current

@@ -1,0 +1,176 @@
+"""Kimi Linear (KimiLinearForCausalLM) built for one pipeline stage and one tensor-parallel rank.
+
+The stage owns a contiguous range of decoder layers; the first stage also owns the embedding and
+the last the final norm and lm_head. Token rows are flattened over the step's sequences; per-step
+metadata comes from the forward context.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from deltaserve.config.model_config import DENSE_MLP, LINEAR_ATTENTION, KimiLinearConfig
+from deltaserve.config.parallel import ParallelConfig
+from deltaserve.model.layers.kda import KimiDeltaAttention
+from deltaserve.model.layers.linear import copy_shard, replicated_loader
+from deltaserve.model.layers.mla import MultiheadLatentAttention
+from deltaserve.model.layers.moe import DenseMLP, SparseMoE
+from deltaserve.model.layers.norm import RMSNorm
+
+# checkpoint suffix -> (module-relative parameter name, fused piece index or None)
+_FUSED_PIECES = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "self_attn.q_conv1d.weight": ("self_attn.qkv_conv_weight", 0),
+    "self_attn.k_conv1d.weight": ("self_attn.qkv_conv_weight", 1),
+    "self_attn.v_conv1d.weight": ("self_attn.qkv_conv_weight", 2),
+    "self_attn.o_norm.weight": ("self_attn.o_norm_weight", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 0),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 1),
+    "mlp.gate.weight": ("mlp.gate_weight", None),
+    "mlp.gate.e_score_correction_bias": ("mlp.e_score_correction_bias", None),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (KDA or MLA) then feed-forward (dense or MoE)."""
+
+    def __init__(self, config: KimiLinearConfig, layer_id: int, parallel: ParallelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_kda = config.layer_types[layer_id] == LINEAR_ATTENTION
+        mixer_cls = KimiDeltaAttention if self.is_kda else MultiheadLatentAttention
+        self.self_attn = mixer_cls(config, parallel, dtype)
+        if config.mlp_layer_types[layer_id] == DENSE_MLP:
+            self.mlp: nn.Module = DenseMLP(config.hidden_size, config.intermediate_size, parallel, dtype)
+        else:
+            self.mlp = SparseMoE(config, parallel, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """The layers of one pipeline stage; `forward` maps token ids (or the previous stage's hidden
+    states) to hidden states, `compute_logits` maps selected rows to vocabulary logits."""
+
+    def __init__(self, config: KimiLinearConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config, self.parallel, self.dtype = config, parallel, dtype
+        self.layer_start, self.layer_end = parallel.stage_layer_range(config.num_hidden_layers)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype) if parallel.is_first_stage else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, i, parallel, dtype) for i in range(self.layer_start, self.layer_end)}
+        )
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.requires_grad_(False)
+
+    # Forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [T] (first stage) or hidden: [T, hidden_size] (later stages) -> [T, hidden_size].
+
+        The last stage returns the final-normed hidden states. Positions are not needed: the model
+        has no positional encoding (NoPE); the order of tokens lives in the caches.
+        """
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
+        assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
+        for layer in self.layers.values():
+            hidden = layer(hidden)
+        return self.norm(hidden) if self.parallel.is_last_stage else hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    # Caches ----------------------------------------------------------------------------------
+    def kda_layers(self) -> list[KimiDeltaAttention]:
+        return [layer.self_attn for layer in self.layers.values() if layer.is_kda]
+
+    def mla_layers(self) -> list[MultiheadLatentAttention]:
+        return [layer.self_attn for layer in self.layers.values() if not layer.is_kda]
+
+    # Weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (hub layout) into this stage's parameters.
+
+        Returns the checkpoint names consumed. Tensors of layers that belong to other pipeline stages
+        are skipped; a name that maps to no parameter raises ValueError naming it.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._route(name)
+            if target is None:
+                continue
+            param_name, shard_id, expert = target
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} does not belong to this model (unexpected)")
+            param = params[param_name]
+            if tensor.dim() == 3 and param_name.endswith("qkv_conv_weight"):
+                tensor = tensor.squeeze(1)  # hub conv weights are [D, 1, W]
+            tensor = tensor.to(param.dtype)
+            try:
+                if expert is None:
+                    getattr(param, "weight_loader", replicated_loader)(param, tensor, shard_id)
+                else:
+                    self._load_expert(param, tensor, expert, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+            loaded.add(name)
+        return loaded
+
+    def _route(self, name: str) -> tuple[str, int | None, int | None] | None:
+        """Checkpoint name -> (parameter name, fused piece, expert index), or None for another stage."""
+        if name == "model.embed_tokens.weight":
+            return ("embed_tokens.weight", None, None) if self.parallel.is_first_stage else None
+        if name in ("model.norm.weight", "lm_head.weight"):
+            local = name.removeprefix("model.")
+            return (local, None, None) if self.parallel.is_last_stage else None
+        match = _LAYER_NAME.match(name)
+        if match is None:
+            raise ValueError(f"checkpoint tensor {name!r} does not belong to this model (unexpected)")
+        layer_id, rest = int(match.group(1)), match.group(2)
+        if layer_id >= self.config.num_hidden_layers:
+            raise ValueError(f"checkpoint tensor {name!r} names layer {layer_id}, but the model has "
+                             f"{self.config.num_hidden_layers} layers (unexpected)")
+        if not self.layer_start <= layer_id < self.layer_end:
+            return None
+        rest = rest.replace("block_sparse_moe.", "mlp.", 1)
+        prefix = f"layers.{layer_id}."
+        expert = _EXPERT_NAME.match(rest)
+        if expert is not None:
+            piece = {"w1": 0, "w3": 1, "w2": None}[expert.group(2)]
+            param = "mlp.w2" if piece is None else "mlp.w13"
+            return prefix + param, piece, int(expert.group(1))
+        if rest in _FUSED_PIECES:
+            param, piece = _FUSED_PIECES[rest]
+            return prefix + param, piece, None
+        return prefix + rest, None, None
+
+    def _load_expert(self, param: torch.Tensor, tensor: torch.Tensor, expert: int, piece: int | None) -> None:
+        if not 0 <= expert < param.shape[0]:
+            raise ValueError(f"expert {expert} is out of range (num_experts={param.shape[0]})")
+        world, rank = self.parallel.tensor_parallel_size, self.parallel.tensor_parallel_rank
+        target = param.data[expert]
+        if piece is None:  # w2 [hidden, I]: split along I
+            copy_shard(target, tensor, 1, rank, world)
+        else:  # w1 / w3 [I, hidden] into rows of w13
+            copy_shard(target, tensor, 0, rank, world, piece * target.shape[0] // 2)

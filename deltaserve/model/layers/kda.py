@@ -1,0 +1,104 @@
+"""Kimi Delta Attention: a gated delta-rule layer with per-channel decay and a short convolution.
+
+Per request it keeps a fixed-size state in the KDA state pool: the last `W - 1` inputs of the
+convolution over q, k and v, and the float32 recurrent state [heads, K, V]. Heads are split over
+tensor-parallel ranks; the state pool tensors hold this rank's heads only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config.model_config import KimiLinearConfig
+from deltaserve.config.parallel import ParallelConfig, divide
+from deltaserve.model.forward_context import get_forward_context
+from deltaserve.model.layers.linear import Linear, sharded_param
+from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
+from deltaserve.ops.kda import kda_decode, kda_prefill, l2norm
+from deltaserve.ops.norm import gated_rms_norm
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer. Caches are bound by the worker through `bind_state`."""
+
+    def __init__(self, config: KimiLinearConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        world = parallel.tensor_parallel_size
+        hidden = config.hidden_size
+        self.head_dim = config.linear_head_dim
+        self.num_heads = divide(config.linear_num_heads, world, "linear_attn_config.num_heads")
+        full_dim = config.kda_qkv_dim
+        self.local_dim = self.num_heads * self.head_dim
+        self.conv_width = config.short_conv_kernel_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+
+        self.qkv_proj = Linear(hidden, 3 * full_dim, parallel, dtype, "column", output_sizes=[full_dim] * 3)
+        self.qkv_conv_weight = sharded_param(
+            (3 * self.local_dim, self.conv_width), dtype, 0, parallel, piece_sizes=[full_dim] * 3
+        )
+        self.f_a_proj = Linear(hidden, self.head_dim, parallel, dtype)
+        self.f_b_proj = Linear(self.head_dim, full_dim, parallel, dtype, "column")
+        self.A_log = sharded_param((1, 1, self.num_heads, 1), dtype, 2, parallel)
+        self.dt_bias = sharded_param((self.local_dim,), torch.float32, 0, parallel)
+        self.b_proj = Linear(hidden, config.linear_num_heads, parallel, dtype, "column")
+        self.g_a_proj = Linear(hidden, self.head_dim, parallel, dtype)
+        self.g_b_proj = Linear(self.head_dim, full_dim, parallel, dtype, "column")
+        self.o_norm_weight = sharded_param((self.head_dim,), dtype, None, parallel)
+        self.o_proj = Linear(full_dim, hidden, parallel, dtype, "row")
+        self.conv_state: torch.Tensor | None = None  # [slots, 3 * local_dim, W - 1]
+        self.recurrent_state: torch.Tensor | None = None  # [slots, heads, K, V] float32
+
+    def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-space per-channel decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias): [T, H, K] fp32."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(-1, self.num_heads, self.head_dim)
+        decay_rate = self.A_log.float().view(1, self.num_heads, 1).exp()
+        return -decay_rate * F.softplus(raw, beta=1.0, threshold=20.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (partial sums when tensor-parallel)."""
+        ctx = get_forward_context()
+        num_decodes = ctx.num_decodes
+        mixed = self.qkv_proj(x)
+        conv_out = torch.empty_like(mixed)
+        if num_decodes:
+            conv_out[:num_decodes] = causal_conv1d_decode(
+                mixed[:num_decodes], self.qkv_conv_weight, self.conv_state, ctx.decode_state_slots
+            )
+        if ctx.num_prefills:
+            conv_out[num_decodes:] = causal_conv1d_prefill(
+                mixed[num_decodes:],
+                self.qkv_conv_weight,
+                ctx.prefill_cu_seqlens,
+                self.conv_state,
+                ctx.prefill_state_slots,
+                ctx.prefill_has_initial_state,
+            )
+        q, k, v = conv_out.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = l2norm(q.float()), l2norm(k.float())
+        v = v.float()
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+
+        out = torch.empty_like(v)
+        if num_decodes:
+            d = slice(0, num_decodes)
+            out[d] = kda_decode(
+                q[d], k[d], v[d], g[d], beta[d], self.scale, self.recurrent_state, ctx.decode_state_slots
+            )
+        if ctx.num_prefills:
+            p = slice(num_decodes, None)
+            out[p] = kda_prefill(
+                q[p], k[p], v[p], g[p], beta[p], self.scale,
+                ctx.prefill_cu_seqlens, self.recurrent_state,
+                ctx.prefill_state_slots, ctx.prefill_has_initial_state,
+            )
+        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.num_heads, self.head_dim)
+        normed = gated_rms_norm(out.to(x.dtype), gate, self.o_norm_weight, self.eps)
+        return self.o_proj(normed.reshape(-1, self.local_dim))

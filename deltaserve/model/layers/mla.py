@@ -1,0 +1,92 @@
+"""Multi-head latent attention without positional rotation (Kimi Linear's full-attention layers).
+
+The paged cache holds, per token, only the normalised latent (kv_lora_rank values) and the shared
+k_pe (qk_rope_head_dim values). Prefill expands the latents of a sequence to per-head K/V through
+kv_b_proj; decode folds q_nope through W_UK, attends over the latents directly and maps the result
+through W_UV (the absorbed form), so expanded K/V never exist for decoding sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.config.model_config import KimiLinearConfig
+from deltaserve.config.parallel import ParallelConfig, divide
+from deltaserve.model.forward_context import get_forward_context
+from deltaserve.model.layers.linear import Linear
+from deltaserve.model.layers.norm import RMSNorm
+from deltaserve.ops.mla import attention_expanded, gather_latents, paged_mla_decode, write_latents
+
+# transformers builds kv_a_layernorm and q_a_layernorm with its RMSNorm default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiheadLatentAttention(nn.Module):
+    """One MLA layer. The worker binds its paged cache [num_blocks, block_size, R + P] via `bind_cache`."""
+
+    def __init__(self, config: KimiLinearConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        self.num_heads = divide(heads, parallel.tensor_parallel_size, "num_attention_heads")
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_dim = config.qk_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = self.qk_dim**-0.5
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * self.qk_dim, parallel, dtype, "column")
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, parallel, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, heads * self.qk_dim, parallel, dtype, "column")
+        self.kv_a_proj_with_mqa = Linear(hidden, config.latent_dim, parallel, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), parallel, dtype, "column")
+        self.o_proj = Linear(heads * self.v_dim, hidden, parallel, dtype, "row")
+        self.kv_cache: torch.Tensor | None = None
+
+    def bind_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(-1, self.num_heads, self.qk_dim)
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, R] and W_UV [H, Dv, R] as views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (partial sums when tensor-parallel)."""
+        ctx = get_forward_context()
+        q = self._queries(x)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        write_latents(self.kv_cache, ctx.slot_mapping, torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
+
+        out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
+        nd = ctx.num_decodes
+        if nd:
+            w_uk, w_uv = self._up_projections()
+            q_nope, q_pe = q[:nd].split([self.nope_dim, self.rope_dim], dim=-1)
+            q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+            o_latent, _ = paged_mla_decode(
+                q_latent, q_pe, self.kv_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
+                self.scale, self.kv_lora_rank,
+            )
+            out[:nd] = torch.einsum("bhr,hvr->bhv", o_latent.to(x.dtype), w_uv)
+        for seq in ctx.prefill_sequences:
+            rows = slice(seq.token_start, seq.token_start + seq.num_new_tokens)
+            cached = gather_latents(self.kv_cache, seq.block_ids, seq.num_context_tokens + seq.num_new_tokens)
+            c, kpe = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            kv = self.kv_b_proj(c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+            out[rows] = attention_expanded(q[rows], k, v, self.scale, seq.num_context_tokens)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))

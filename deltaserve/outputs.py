@@ -1,0 +1,68 @@
+"""What `LLM.generate` returns, shaped like vLLM's outputs so user code carries over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token, its rank among the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    finish_reason: None while running, then "stop" (EOS, a stop token or a stop string),
+        "length" (max_tokens or max_model_len) or "abort".
+    stop_reason: the stop token id or stop string that ended it; None for EOS or length.
+    logprobs: per generated token, {token_id: Logprob} holding the sampled token and the top-k.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """Everything known about one request after a step; `finished` is True on its last output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Any = None
+    prompt_logprobs: SampleLogprobs | None = None  # not computed yet; kept for vLLM compatibility
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, finished={self.finished}, "
+            f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics})"
+        )

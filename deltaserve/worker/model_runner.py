@@ -1,0 +1,126 @@
+"""Turns a SchedulerOutput into flat variable-length tensors, runs the model, samples.
+
+Sequences that decode (one token on top of existing state) are placed first, prefill chunks after,
+which is the order the layers' forward context expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from deltaserve.model.forward_context import ForwardContext, PrefillSequence, set_forward_context
+from deltaserve.model.kimi_linear import KimiLinearForCausalLM
+from deltaserve.sample.sampler import Sampler, SamplingMetadata, step_seed
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.worker.runner_output import ModelRunnerOutput, TokenLogprobs
+
+
+def is_decode(chunk: ScheduledChunk) -> bool:
+    return len(chunk.token_ids) == 1 and chunk.num_computed_tokens > 0
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # [T] long
+    context: ForwardContext
+    sample_rows: torch.Tensor  # [N] long: the row whose logits each sampling request needs
+    sample_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    """Owns the model and the per-request sampling parameters the worker has been told about."""
+
+    def __init__(self, model: KimiLinearForCausalLM, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.sampling_params: dict[str, SamplingParams] = {}
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """Flatten the step. Host-side work only; one transfer per tensor."""
+        chunks = scheduler_output.chunks
+        decodes = [c for c in chunks if is_decode(c)]
+        prefills = [c for c in chunks if not is_decode(c)]
+        bs = self.block_size
+        token_ids: list[int] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        prefill_sequences: list[PrefillSequence] = []
+        cu = [0]
+        for chunk in decodes + prefills:
+            start = len(token_ids)
+            n = len(chunk.token_ids)
+            token_ids.extend(chunk.token_ids)
+            blocks = torch.tensor(chunk.block_ids, dtype=torch.long)
+            positions = torch.arange(chunk.num_computed_tokens, chunk.num_computed_tokens + n)
+            slots.append(blocks[positions // bs] * bs + positions % bs)
+            if chunk.sample:
+                sample_rows.append(start + n - 1)
+                sample_chunks.append(chunk)
+            if not is_decode(chunk):
+                cu.append(cu[-1] + n)
+                needed = -(-(chunk.num_computed_tokens + n) // bs)
+                prefill_sequences.append(
+                    PrefillSequence(start, n, chunk.num_computed_tokens, blocks[:needed].to(self.device))
+                )
+        max_blocks = max((len(c.block_ids) for c in decodes), default=1)
+        decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, c in enumerate(decodes):
+            decode_tables[i, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
+
+        dev = self.device
+
+        def to_dev(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev)
+
+        ctx = ForwardContext(
+            num_tokens=len(token_ids),
+            num_decodes=len(decodes),
+            slot_mapping=torch.cat(slots).to(dev),
+            decode_state_slots=to_dev([c.state_slot for c in decodes]),
+            decode_block_tables=decode_tables.to(dev),
+            decode_seq_lens=to_dev([c.num_computed_tokens + 1 for c in decodes]),
+            prefill_cu_seqlens=to_dev(cu),
+            prefill_state_slots=to_dev([c.state_slot for c in prefills]),
+            prefill_has_initial_state=to_dev([c.num_computed_tokens > 0 for c in prefills], torch.bool),
+            prefill_sequences=tuple(prefill_sequences),
+        )
+        return PreparedStep(to_dev(token_ids), ctx, to_dev(sample_rows), sample_chunks)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for new in scheduler_output.new_requests:
+            self.sampling_params[new.request_id] = new.sampling_params
+        for request_id in scheduler_output.finished_request_ids:
+            self.sampling_params.pop(request_id, None)
+        if not scheduler_output.chunks:
+            return ModelRunnerOutput()
+
+        step = self.prepare(scheduler_output)
+        with set_forward_context(step.context):
+            hidden = self.model(step.input_ids)
+        if not step.sample_chunks:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        params = [self.sampling_params[c.request_id] for c in step.sample_chunks]
+        seeds = [
+            None if p.seed is None else step_seed(p.seed, c.num_output_tokens)
+            for p, c in zip(params, step.sample_chunks, strict=True)
+        ]
+        metadata = SamplingMetadata.from_params(params, seeds, logits.device)
+        sampled = self.sampler(logits, metadata)
+        token_ids = sampled.sampled_token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        if sampled.logprobs is not None:
+            ids, values = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
+            ranks = sampled.sampled_token_ranks.tolist()
+            for row, p in enumerate(params):
+                if p.logprobs is not None:
+                    k = 1 + p.logprobs
+                    logprobs[row] = TokenLogprobs(ids[row][:k], values[row][:k], ranks[row])
+        return ModelRunnerOutput([c.request_id for c in step.sample_chunks], token_ids, logprobs)

@@ -1,0 +1,26 @@
+"""What one model step returns to the engine: plain data, safe to send across a process boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token: the sampled id first, then the row's top-k ids."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One entry per request that sampled this step (chunks that ended on their last token)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    def sampled_by_request(self) -> dict[str, int]:
+        return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))

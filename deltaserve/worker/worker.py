@@ -1,0 +1,112 @@
+"""One rank's worker: its device, its stage of the model, its slice of the caches, its model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deltaserve.config.engine_config import EngineConfig
+from deltaserve.config.model_config import KimiLinearConfig
+from deltaserve.core.cache_sizing import CachePlan
+from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
+from deltaserve.core.scheduler_output import SchedulerOutput
+from deltaserve.model.kimi_linear import KimiLinearForCausalLM
+from deltaserve.model.loader import load_model_from_dir, resolve_dtype
+from deltaserve.worker.model_runner import ModelRunner
+from deltaserve.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_CACHE_BYTES = 1 << 30
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available")
+    return dev
+
+
+class Worker:
+    """Loads the model, sizes and allocates the caches, executes steps."""
+
+    def __init__(self, engine_config: EngineConfig, model_config: KimiLinearConfig, model_dir: str) -> None:
+        self.engine_config = engine_config
+        self.model_config = model_config
+        self.model_dir = model_dir
+        self.parallel = engine_config.parallel
+        self.device = resolve_device(engine_config.device)
+        self.dtype = resolve_dtype(engine_config.dtype, model_config)
+        self.model: KimiLinearForCausalLM | None = None
+        self.runner: ModelRunner | None = None
+        torch.manual_seed(engine_config.seed)
+
+    # Setup -----------------------------------------------------------------------------------
+    def load_model(self, model: KimiLinearForCausalLM | None = None) -> None:
+        """Load from the checkpoint directory, or adopt an already built model (random weights in memory)."""
+        if model is None:
+            model = load_model_from_dir(self.model_dir, self.model_config, self.parallel, self.dtype, self.device)
+        self.model = model
+        self.runner = ModelRunner(model, self.engine_config.block_size, self.device)
+
+    def cache_specs(self) -> tuple[MLALatentSpec, KDAStateSpec]:
+        assert self.model is not None
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        kda = self.model.kda_layers()
+        first = kda[0] if kda else None
+        kv_spec = MLALatentSpec(
+            block_size=self.engine_config.block_size,
+            num_layers=len(self.model.mla_layers()),
+            latent_dim=self.model_config.latent_dim,
+            dtype_bytes=dtype_bytes,
+        )
+        state_spec = KDAStateSpec(
+            num_layers=len(kda),
+            num_heads=first.num_heads if first else 0,
+            head_k_dim=first.head_dim if first else 0,
+            head_v_dim=first.head_dim if first else 0,
+            conv_dim=3 * first.local_dim if first else 0,
+            conv_window=self.model_config.short_conv_kernel_size - 1,
+            conv_dtype_bytes=dtype_bytes,
+        )
+        return kv_spec, state_spec
+
+    def available_cache_bytes(self) -> int:
+        """Bytes the caches may take: --cache-memory if given, else a share of free GPU memory."""
+        if self.engine_config.cache_memory is not None:
+            return int(self.engine_config.cache_memory)
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_CACHE_BYTES
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.engine_config.gpu_memory_utilization - used_by_others
+        # leave room for activations of the largest step: a rough per-token allowance
+        cfg = self.model_config
+        per_token = 4 * (cfg.hidden_size * 8 + cfg.vocab_size // 64 + cfg.intermediate_size * 2)
+        activations = self.engine_config.max_num_batched_tokens * per_token
+        return int(budget - torch.cuda.memory_allocated(self.device) - activations)
+
+    def initialize_cache(self, plan: CachePlan) -> None:
+        """Allocate the paged latent caches and the KDA state pool, and bind them to the layers."""
+        assert self.model is not None
+        bs = self.engine_config.block_size
+        with torch.device(self.device):
+            for layer in self.model.mla_layers():
+                layer.bind_cache(torch.zeros(plan.num_blocks, bs, self.model_config.latent_dim, dtype=self.dtype))
+            for layer in self.model.kda_layers():
+                conv = torch.zeros(
+                    plan.num_state_slots, 3 * layer.local_dim, layer.conv_width - 1, dtype=self.dtype
+                )
+                rec = torch.zeros(
+                    plan.num_state_slots, layer.num_heads, layer.head_dim, layer.head_dim, dtype=torch.float32
+                )
+                layer.bind_state(conv, rec)
+
+    # Steps -----------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "load_model() first"
+        return self.runner.execute(scheduler_output)

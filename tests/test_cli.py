@@ -1,0 +1,63 @@
+"""The `deltaserve` command on the embedded tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deltaserve.cli import main
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path_factory.getbasetemp() / "ds-cache"))
+
+
+def test_generate_prints_text_on_the_embedded_model(capsys):
+    assert main(["generate", "Hello, world", "--max-tokens", "12", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text.strip(), "the completion should not be empty"
+
+
+def test_generate_as_a_console_script(tmp_path):
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "deltaserve.cli", "generate", "Hi", "--max-tokens", "4", "--seed", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+def test_generate_token_ids_and_seed_reproducible(capsys):
+    args = ["generate", "5 6 7", "--prompt-token-ids", "--max-tokens", "8", "--seed", "7"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["generate", "x", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "x", "--top-p", "2"], "top_p"),
+        (["generate", "x", "--model", "/nonexistent/dir"], "config.json"),
+        (["generate", "99999", "--prompt-token-ids"], "vocabulary"),
+        (["make-model", "--preset", "huge", "--out", "/tmp/never"], "preset"),
+    ],
+)
+def test_cli_errors_name_the_field(args, field, capsys):
+    assert main(args) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_make_model_then_generate(tmp_path, capsys):
+    out = str(tmp_path / "tiny")
+    assert main(["make-model", "--preset", "tiny", "--out", out, "--seed", "4"]) == 0
+    assert os.path.isfile(os.path.join(out, "config.json"))
+    capsys.readouterr()
+    assert main(["generate", "abc", "--model", out, "--max-tokens", "5", "--cache-memory", "64MiB"]) == 0
+    assert capsys.readouterr().out.strip()
