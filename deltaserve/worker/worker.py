@@ -18,7 +18,7 @@ from deltaserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_CACHE_BYTES = 1 << 30
+DEFAULT_CPU_CACHE_BYTES = 256 << 20
 
 
 def resolve_device(device: str | None) -> torch.device:

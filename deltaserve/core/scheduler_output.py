@@ -1,0 +1,46 @@
+"""What the scheduler tells the workers each step: plain data, ready to cross a process boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, the first time a request is scheduled, so workers learn its sampling parameters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [num_computed_tokens, num_computed_tokens + len(token_ids)) of one request, to compute now."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int  # tokens already in the caches before this chunk
+    block_ids: list[int]  # the request's block table, covering every token up to the chunk's end
+    state_slot: int
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    num_output_tokens: int  # tokens generated so far (seeds per-request sampling deterministically)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step_id: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # workers drop what they keep for these
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.finished_request_ids

@@ -1,0 +1,151 @@
+"""The scheduler on its own: budgets, chunking, admission, preemption, stops, aborts. Exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.core.kv_cache_manager import KVCacheManager
+from deltaserve.core.kv_cache_spec import MLALatentSpec
+from deltaserve.core.request import Request, RequestStatus
+from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+from deltaserve.core.state_pool import StateSlotPool
+
+EOS = 99
+
+
+def make_scheduler(num_blocks=64, slots=8, max_num_seqs=8, budget=16, max_model_len=128, block_size=4):
+    spec = MLALatentSpec(block_size=block_size, num_layers=1, latent_dim=8, dtype_bytes=2)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+    return Scheduler(config, KVCacheManager(spec, num_blocks), StateSlotPool(slots))
+
+
+def make_request(request_id, num_prompt, max_tokens=4, **kw):
+    return Request(request_id, list(range(1, num_prompt + 1)), max_tokens, eos_token_ids=(EOS,), **kw)
+
+
+def run_step(scheduler, token=7):
+    out = scheduler.schedule()
+    sampled = {c.request_id: token for c in out.chunks if c.sample}
+    return out, scheduler.update_from_output(out, sampled)
+
+
+def assert_all_free(scheduler):
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+    assert scheduler.state_pool.num_free == scheduler.state_pool.num_slots
+
+
+def test_chunked_prefill_then_decode():
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 19, max_tokens=2))
+    out, _ = run_step(s)
+    (c,) = out.chunks
+    assert (c.num_computed_tokens, c.token_ids, c.block_ids, c.sample) == (0, list(range(1, 9)), [0, 1], False)
+    assert [n.request_id for n in out.new_requests] == ["a"]
+    out, _ = run_step(s)
+    assert out.chunks[0].num_computed_tokens == 8 and out.chunks[0].block_ids == [0, 1, 2, 3]
+    assert out.new_requests == []
+    out, _ = run_step(s)
+    c = out.chunks[0]
+    assert (c.num_computed_tokens, c.token_ids, c.sample, c.block_ids) == (16, [17, 18, 19], True, [0, 1, 2, 3, 4])
+    out, finished = run_step(s)
+    c = out.chunks[0]
+    assert (c.num_computed_tokens, c.token_ids, c.sample, c.num_output_tokens) == (19, [7], True, 1)
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].status == RequestStatus.FINISHED_LENGTH and finished[0].output_token_ids == [7, 7]
+    assert_all_free(s)
+    out = s.schedule()
+    assert out.finished_request_ids == ["a"] and not out.chunks
+
+
+def test_decodes_and_prefill_share_a_step():
+    s = make_scheduler(budget=6)
+    s.add_request(make_request("a", 3, max_tokens=8))
+    run_step(s)
+    s.add_request(make_request("b", 10))
+    out, _ = run_step(s)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 5)]
+    assert out.num_scheduled_tokens == 6
+
+
+def test_max_num_seqs_and_fcfs():
+    s = make_scheduler(max_num_seqs=2, budget=100)
+    for name in "abc":
+        s.add_request(make_request(name, 2, max_tokens=1))
+    out, finished = run_step(s)
+    assert [c.request_id for c in out.chunks] == ["a", "b"]
+    assert {r.request_id for r in finished} == {"a", "b"}
+    out, _ = run_step(s)
+    assert [c.request_id for c in out.chunks] == ["c"]
+    assert_all_free(s)
+
+
+def test_state_slots_limit_admission():
+    s = make_scheduler(slots=1, budget=100)
+    s.add_request(make_request("a", 2, max_tokens=2))
+    s.add_request(make_request("b", 2, max_tokens=2))
+    out, _ = run_step(s)
+    assert [c.request_id for c in out.chunks] == ["a"] and s.num_waiting == 1
+
+
+def test_preemption_by_recompute():
+    # 3 blocks of 4 tokens: a and b each take one block, then need a second while decoding
+    s = make_scheduler(num_blocks=3, budget=100)
+    s.add_request(make_request("a", 4, max_tokens=6))
+    s.add_request(make_request("b", 4, max_tokens=6))
+    run_step(s)
+    out, _ = run_step(s)  # both need block 2 for token 5: b is preempted
+    assert out.preempted_request_ids == ["b"] and [c.request_id for c in out.chunks] == ["a"]
+    b = s.get_request("b")
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.output_token_ids == [7]
+    assert s.num_preemptions_total == 1
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        for c in out.chunks:
+            if c.request_id == "b" and c.num_computed_tokens == 0:
+                assert c.token_ids == [1, 2, 3, 4, 7]  # prompt plus the token it had generated
+    assert_all_free(s)
+
+
+def test_stop_conditions():
+    s = make_scheduler(budget=100)
+    s.add_request(make_request("eos", 2, max_tokens=10))
+    s.add_request(make_request("stop-id", 2, max_tokens=10, stop_token_ids=(5,)))
+    s.add_request(make_request("ignore", 2, max_tokens=2, ignore_eos=True))
+    s.add_request(make_request("min", 2, max_tokens=10, min_tokens=2))
+    out = s.schedule()
+    finished = s.update_from_output(out, {"eos": EOS, "stop-id": 5, "ignore": EOS, "min": EOS})
+    got = {r.request_id: (r.status, r.stop_reason) for r in finished}
+    assert got == {"eos": (RequestStatus.FINISHED_STOPPED, None), "stop-id": (RequestStatus.FINISHED_STOPPED, 5)}
+    out = s.schedule()
+    finished = s.update_from_output(out, {"ignore": EOS, "min": EOS})
+    assert {r.request_id: r.finish_reason for r in finished} == {"ignore": "length", "min": "stop"}
+
+
+def test_max_model_len_stops():
+    s = make_scheduler(budget=100, max_model_len=6)
+    s.add_request(make_request("a", 4, max_tokens=100))
+    _, finished = run_step(s)
+    assert not finished
+    _, finished = run_step(s)
+    assert finished[0].finish_reason == "length" and finished[0].num_tokens == 6
+
+
+def test_abort_running_and_waiting_frees_everything():
+    s = make_scheduler(max_num_seqs=1, budget=100)
+    s.add_request(make_request("a", 9))
+    s.add_request(make_request("b", 9))
+    out = s.schedule()
+    s.finish_requests(["a", "b", "missing"], RequestStatus.FINISHED_ABORTED)
+    assert s.update_from_output(out, {"a": 3}) == []
+    assert not s.has_unfinished_requests()
+    assert_all_free(s)
+    assert s.schedule().finished_request_ids == ["a"]  # b was never announced to the workers
+    with pytest.raises(ValueError, match="not a finished status"):
+        s.finish_requests(["a"], RequestStatus.RUNNING)
+
+
+def test_duplicate_request_id_rejected():
+    s = make_scheduler()
+    s.add_request(make_request("a", 2))
+    with pytest.raises(ValueError, match="'a'"):
+        s.add_request(make_request("a", 2))
