@@ -50,6 +50,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
+    boundary_num_tokens: int = 0  # position of the state held in the boundary slot (0: none)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,8 +5,13 @@ There are no prefill and decode phases: every request is `num_computed_tokens` c
 (decodes take one token, unfinished prompts take what is left of the budget), then admits waiting
 requests while the budget, `max_num_seqs`, the KV blocks and the KDA state slots allow. When a
 running request cannot get the blocks it needs, the latest-arrived running request is preempted:
-its blocks and state slot are freed and it is recomputed from scratch later, because a KDA state
-cannot be rewound.
+its blocks and state slots are freed and it is recomputed later, because a KDA state cannot be
+rewound (with prefix caching it resumes from its latest checkpoint).
+
+With prefix caching (`prefix_cache` given) a request starts from the joint KV + state hit, chunks
+end on checkpoint boundaries so the state there can be saved right after the chunk, and each
+running request holds a second "boundary" slot with its state at the last block boundary it
+crossed while decoding, filed as the end-of-sequence checkpoint when it finishes.
 """
 
 from __future__ import annotations
@@ -16,10 +21,22 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from deltaserve.core.block_hash import BlockHash
+from deltaserve.core.checkpoint_pool import Checkpoint, CheckpointKind
 from deltaserve.core.kv_cache_manager import KVCacheManager
+from deltaserve.core.prefix_cache import PrefixCache, PrefixHit
 from deltaserve.core.request import Request, RequestStatus
-from deltaserve.core.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from deltaserve.core.scheduler_output import (
+    NewRequestData,
+    ScheduledChunk,
+    SchedulerOutput,
+    StateCopy,
+    StateLoad,
+    StateSave,
+)
 from deltaserve.core.state_pool import StateSlotPool
+
+NO_HIT = PrefixHit(0, [], None, 0)
 
 
 @dataclass(frozen=True)
@@ -34,18 +51,35 @@ class SchedulerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
 
 
+def boundary_key(request_id: str) -> str:
+    """The state-pool owner key of a request's boundary slot."""
+    return request_id + "#boundary"
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, state_pool: StateSlotPool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        state_pool: StateSlotPool,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.state_pool = state_pool
+        self.prefix_cache = prefix_cache
+        self.slots_per_request = 2 if prefix_cache is not None else 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._announced: set[str] = set()
         self._finished_since_last_step: list[str] = []
+        self._saves_before_next_step: list[tuple[Checkpoint, StateSave]] = []
         self._step_ids = itertools.count()
         self.num_preemptions_total = 0
+        # per step, between schedule() and update_from_output()
+        self._pinned: list[Checkpoint] = []
+        self._to_publish: list[BlockHash] = []
 
     # Queries ---------------------------------------------------------------------------------
     @property
@@ -85,6 +119,8 @@ class Scheduler:
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if status != RequestStatus.FINISHED_ABORTED:
+            self._file_end_of_sequence(request)
         request.status = status
         self._free(request)
         del self.requests[request.request_id]
@@ -92,9 +128,24 @@ class Scheduler:
             self._announced.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
 
+    def _file_end_of_sequence(self, request: Request) -> None:
+        """File the boundary slot's state (the last block boundary decode crossed) as a checkpoint."""
+        pc = self.prefix_cache
+        if pc is None or request.boundary_num_tokens == 0:
+            return
+        slot = self.state_pool.slot_of(boundary_key(request.request_id))
+        self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request), request.num_computed_tokens)
+        cp = pc.file(request, request.boundary_num_tokens, CheckpointKind.END_OF_SEQUENCE)
+        if cp is not None and slot is not None:
+            # written before anything else in the next step, before any slot can be reused
+            pc.checkpoints.publish(cp.block_hash)
+            self._saves_before_next_step.append((cp, StateSave(slot, list(cp.unit_ids))))
+
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
         self.state_pool.free(request.request_id)
+        self.state_pool.free(boundary_key(request.request_id))
+        request.boundary_num_tokens = 0
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -108,15 +159,16 @@ class Scheduler:
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        new_requests: list[NewRequestData] = []
-        preempted: list[str] = []
-        scheduled: set[str] = set()
+        out = _StepBuilder()
+        out.saves_before = [
+            save for cp, save in self._saves_before_next_step if self._still_filed(cp)
+        ]
+        self._saves_before_next_step = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_length(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -126,68 +178,126 @@ class Scheduler:
                 if table is None:
                     victim = self.running[-1]
                     self._preempt(victim)
-                    preempted.append(victim.request_id)
+                    out.preempted.append(victim.request_id)
                     if victim is request:
                         break
             if table is None:
                 break
-            chunks.append(self._chunk(request, num_new, table))
-            scheduled.add(request.request_id)
+            self._schedule_chunk(request, num_new, table, out)
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.state_pool.num_free == 0:
+            if self.state_pool.num_free < self.slots_per_request:
                 break
-            if self.kv_cache_manager.num_blocks_needed(request.request_id, num_new) > (
-                self.kv_cache_manager.num_free_blocks
-            ):
+            hit = self.prefix_cache.lookup(request) if self.prefix_cache is not None else NO_HIT
+            num_new = self._chunk_length(request, hit.num_tokens, budget)
+            if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new, hit.block_ids):
                 break
             self.waiting.popleft()
             slot = self.state_pool.allocate(request.request_id)
-            table = self.kv_cache_manager.allocate_slots(request.request_id, num_new)
+            if self.prefix_cache is not None:
+                self.state_pool.allocate(boundary_key(request.request_id))
+            table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
             assert slot is not None and table is not None
+            if self.prefix_cache is not None:
+                self.prefix_cache.account(request, hit)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+            if hit.checkpoint is not None:
+                hit.checkpoint.pins += 1
+                self._pinned.append(hit.checkpoint)
+                out.loads.append(StateLoad(list(hit.checkpoint.unit_ids), slot))
+                request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.request_id not in self._announced:
                 self._announced.add(request.request_id)
-                new_requests.append(
+                out.new_requests.append(
                     NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
                 )
-            chunks.append(self._chunk(request, num_new, table))
+            self._schedule_chunk(request, num_new, table, out)
             budget -= num_new
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         return SchedulerOutput(
             step_id=next(self._step_ids),
-            chunks=chunks,
-            new_requests=new_requests,
+            chunks=out.chunks,
+            new_requests=out.new_requests,
             finished_request_ids=finished,
-            preempted_request_ids=preempted,
+            preempted_request_ids=out.preempted,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            state_saves_before=out.saves_before,
+            state_loads=out.loads,
+            state_saves_after=out.saves_after,
+            state_copies_after=out.copies_after,
         )
 
-    def _chunk(self, request: Request, num_new: int, table: list[int]) -> ScheduledChunk:
+    def _still_filed(self, cp: Checkpoint) -> bool:
+        assert self.prefix_cache is not None
+        return self.prefix_cache.checkpoints.get(cp.block_hash) is cp
+
+    def _chunk_length(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: what is left, within the budget, ending on the first
+        checkpoint boundary on the way."""
+        end = start + min(request.num_tokens - start, budget)
+        if self.prefix_cache is not None and end > start:
+            boundary = self.prefix_cache.next_boundary(request, start, end)
+            if boundary is not None:
+                end = boundary[0]
+        return end - start
+
+    def _schedule_chunk(self, request: Request, num_new: int, table: list[int], out: _StepBuilder) -> None:
         start = request.num_computed_tokens
+        end = start + num_new
         slot = self.state_pool.slot_of(request.request_id)
         assert slot is not None
-        chunk = ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
-            num_computed_tokens=start,
-            block_ids=list(table),
-            state_slot=slot,
-            sample=start + num_new == request.num_tokens,
-            num_output_tokens=request.num_output_tokens,
+        out.chunks.append(
+            ScheduledChunk(
+                request_id=request.request_id,
+                token_ids=request.token_slice(start, end),
+                num_computed_tokens=start,
+                block_ids=list(table),
+                state_slot=slot,
+                sample=end == request.num_tokens,
+                num_output_tokens=request.num_output_tokens,
+            )
         )
-        request.num_computed_tokens += num_new
-        return chunk
+        request.num_computed_tokens = end
+        pc = self.prefix_cache
+        if pc is None or end % pc.block_size:
+            return
+        boundary = pc.next_boundary(request, end - 1, end)
+        if boundary is not None:
+            cp = pc.file(request, end, boundary[1])
+            if cp is not None:
+                out.saves_after.append(StateSave(slot, list(cp.unit_ids)))
+                self._to_publish.append(cp.block_hash)
+        if end > request.num_prompt_tokens:
+            boundary_slot = self.state_pool.slot_of(boundary_key(request.request_id))
+            assert boundary_slot is not None
+            out.copies_after.append(StateCopy(slot, boundary_slot))
+            request.boundary_num_tokens = end
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token, finish requests that hit a stop condition; the finished requests."""
+        """After the step ran: commit computed blocks, publish the step's checkpoints, append each
+        sampled token and finish requests that hit a stop condition; returns the finished requests."""
+        pc = self.prefix_cache
+        if pc is not None:
+            for chunk in scheduler_output.chunks:
+                request = self.requests.get(chunk.request_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    self.kv_cache_manager.commit(
+                        request.request_id, pc.block_hashes(request), request.num_computed_tokens
+                    )
+            for h in self._to_publish:
+                pc.checkpoints.publish(h)
+            for cp in self._pinned:
+                cp.pins -= 1
+        self._to_publish, self._pinned = [], []
+
         finished = []
         for chunk in scheduler_output.chunks:
             if not chunk.sample or chunk.request_id not in sampled:
@@ -202,3 +312,16 @@ class Scheduler:
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+
+class _StepBuilder:
+    """The lists one schedule() call fills."""
+
+    def __init__(self) -> None:
+        self.chunks: list[ScheduledChunk] = []
+        self.new_requests: list[NewRequestData] = []
+        self.preempted: list[str] = []
+        self.saves_before: list[StateSave] = []
+        self.loads: list[StateLoad] = []
+        self.saves_after: list[StateSave] = []
+        self.copies_after: list[StateCopy] = []

@@ -33,6 +33,30 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class StateSave:
+    """Copy the KDA state image in `state_slot` into checkpoint units."""
+
+    state_slot: int
+    unit_ids: list[int]
+
+
+@dataclass(frozen=True)
+class StateLoad:
+    """Copy a checkpoint's image from its units into `state_slot` (a prefix hit starts from it)."""
+
+    unit_ids: list[int]
+    state_slot: int
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """Copy slot to slot: a decoding request's state at the block boundary it just crossed."""
+
+    src_slot: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -40,7 +64,13 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # workers drop what they keep for these
     preempted_request_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
+    # KDA state traffic, in the order the worker runs it: saves_before and loads before the forward,
+    # saves_after and copies_after after it
+    state_saves_before: list[StateSave] = field(default_factory=list)
+    state_loads: list[StateLoad] = field(default_factory=list)
+    state_saves_after: list[StateSave] = field(default_factory=list)
+    state_copies_after: list[StateCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.finished_request_ids
+        return not (self.chunks or self.finished_request_ids or self.state_saves_before)

@@ -1,0 +1,122 @@
+"""Joint prefix hits over KV blocks and KDA state checkpoints, and where checkpoints get filed.
+
+A KV hit alone is worth nothing to a hybrid model: the KDA layers need their state exactly where
+the hit ends. The joint hit is the longest block-aligned prefix P with every KV block of [0, P)
+cached and a checkpoint at P. Checkpoints are filed at
+  - rungs: every `checkpoint_interval` tokens inside a prompt;
+  - the prompt-end anchor: the last block boundary of the prompt;
+  - the end-of-sequence anchor: the last block boundary prompt + output reached (filed by the
+    scheduler from the request's boundary slot when it finishes);
+  - demand: boundaries where a lookup found KV reuse that only a missing checkpoint declined.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from deltaserve.core.block_hash import BlockHash, extend_block_hashes
+from deltaserve.core.checkpoint_pool import Checkpoint, CheckpointKind, CheckpointPool
+from deltaserve.core.kv_cache_manager import KVCacheManager
+from deltaserve.core.request import Request
+
+MAX_DEMANDS = 4096
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int  # P: tokens the request can skip
+    block_ids: list[int]  # the cached blocks of [0, P)
+    checkpoint: Checkpoint | None  # the state at P (None when P == 0)
+    num_kv_hit_tokens: int  # the longest cached KV prefix, checkpoint or not
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    kv_hit_tokens: int = 0
+    tokens_lost_to_missing_checkpoint: int = 0
+    demands_recorded: int = 0
+
+
+class PrefixCache:
+    """Composes the KV cache manager and the checkpoint pool into joint lookups and filing decisions."""
+
+    def __init__(self, kv: KVCacheManager, checkpoints: CheckpointPool, checkpoint_interval: int) -> None:
+        if checkpoint_interval % kv.block_size:
+            raise ValueError(
+                f"state_checkpoint_interval={checkpoint_interval} must be a multiple of block_size={kv.block_size}"
+            )
+        self.kv = kv
+        self.checkpoints = checkpoints
+        self.block_size = kv.block_size
+        self.checkpoint_interval = checkpoint_interval
+        self.stats = PrefixCacheStats()
+        self._demand: OrderedDict[BlockHash, None] = OrderedDict()
+        kv.pool.on_drop = lambda h: checkpoints.free(h, evicted=True)
+        checkpoints.on_change = kv.pool.add_servability
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's full-block hashes over prompt + output so far (cached on the request)."""
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+
+    def lookup(self, request: Request) -> PrefixHit:
+        """The joint hit for a request about to start; never covers its last token (its logits are needed)."""
+        hashes = self.block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        kv_blocks = self.kv.cached_prefix(hashes, max_blocks)
+        hit_blocks, checkpoint = 0, None
+        for n in range(len(kv_blocks), 0, -1):
+            checkpoint = self.checkpoints.lookup(hashes[n - 1])
+            if checkpoint is not None:
+                hit_blocks = n
+                break
+        if len(kv_blocks) > hit_blocks:
+            self._record_demand(hashes[len(kv_blocks) - 1])
+        bs = self.block_size
+        return PrefixHit(hit_blocks * bs, kv_blocks[:hit_blocks], checkpoint, len(kv_blocks) * bs)
+
+    def account(self, request: Request, hit: PrefixHit) -> None:
+        """Count the lookup of a request that was admitted with this hit."""
+        stats = self.stats
+        stats.queries += 1
+        stats.queried_tokens += request.num_tokens
+        stats.hit_tokens += hit.num_tokens
+        stats.kv_hit_tokens += hit.num_kv_hit_tokens
+        stats.tokens_lost_to_missing_checkpoint += hit.num_kv_hit_tokens - hit.num_tokens
+
+    def _record_demand(self, block_hash: BlockHash) -> None:
+        if block_hash not in self._demand:
+            self.stats.demands_recorded += 1
+        self._demand[block_hash] = None
+        self._demand.move_to_end(block_hash)
+        while len(self._demand) > MAX_DEMANDS:
+            self._demand.popitem(last=False)
+
+    def next_boundary(self, request: Request, start: int, end: int) -> tuple[int, CheckpointKind] | None:
+        """The first boundary b in (start, end] where computing [start, end) should file a checkpoint."""
+        bs = self.block_size
+        prompt_end = request.num_prompt_tokens // bs * bs
+        hashes = self.block_hashes(request)
+        b = (start // bs + 1) * bs
+        while b <= end:
+            h = hashes[b // bs - 1] if b // bs <= len(hashes) else None
+            if h is not None and self.checkpoints.get(h) is None:
+                if b == prompt_end:
+                    return b, CheckpointKind.PROMPT_END
+                if b < request.num_prompt_tokens and b % self.checkpoint_interval == 0:
+                    return b, CheckpointKind.RUNG
+                if h in self._demand:
+                    return b, CheckpointKind.DEMAND
+            b += bs
+        return None
+
+    def file(self, request: Request, num_tokens: int, kind: CheckpointKind) -> Checkpoint | None:
+        """Reserve a checkpoint at boundary `num_tokens` of this request (None: exists or no room)."""
+        h = self.block_hashes(request)[num_tokens // self.block_size - 1]
+        cp = self.checkpoints.file(h, num_tokens, kind)
+        if cp is not None:
+            self._demand.pop(h, None)
+        return cp

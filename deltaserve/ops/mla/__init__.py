@@ -1,0 +1,48 @@
+"""Multi-head latent attention over a paged latent cache [num_blocks, block_size, R + P].
+
+The API is the same on every device. `paged_mla_decode` dispatches by device: only the torch
+reference exists now; a Triton split-KV kernel (merged with `merge_attention_states`) comes later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deltaserve.ops.mla import naive
+from deltaserve.ops.mla.naive import attention_expanded, gather_latents, merge_attention_states, write_latents
+
+PagedDecodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def paged_mla_decode_impl(device: torch.device) -> PagedDecodeFn:
+    """The paged_mla_decode implementation for tensors on `device`."""
+    # only the torch reference exists; the CUDA Triton kernel plugs in here
+    return naive.paged_mla_decode
+
+
+def paged_mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_latent: [B, H, R], q_pe: [B, H, P], kv_cache: [num_blocks, block_size, R + P],
+    block_tables: [B, max_blocks] long, seq_lens: [B] long
+    -> (o_latent [B, H, R] float32, lse [B, H] float32). See naive.paged_mla_decode."""
+    impl = paged_mla_decode_impl(q_latent.device)
+    return impl(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank)
+
+
+__all__ = [
+    "attention_expanded",
+    "gather_latents",
+    "merge_attention_states",
+    "paged_mla_decode",
+    "paged_mla_decode_impl",
+    "write_latents",
+]
