@@ -22,7 +22,7 @@ from deltaserve.model.layers.moe import DenseMLP, SparseMoE
 from deltaserve.model.layers.norm import RMSNorm
 
 # checkpoint suffix -> (module-relative parameter name, fused piece index or None)
-_FUSED_PIECES = {
+_KDA_PIECES = {
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
     "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
     "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
@@ -30,6 +30,8 @@ _FUSED_PIECES = {
     "self_attn.k_conv1d.weight": ("self_attn.qkv_conv_weight", 1),
     "self_attn.v_conv1d.weight": ("self_attn.qkv_conv_weight", 2),
     "self_attn.o_norm.weight": ("self_attn.o_norm_weight", None),
+}
+_FUSED_PIECES = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
     "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 0),
@@ -160,8 +162,9 @@ class KimiLinearForCausalLM(nn.Module):
             piece = {"w1": 0, "w3": 1, "w2": None}[expert.group(2)]
             param = "mlp.w2" if piece is None else "mlp.w13"
             return prefix + param, piece, int(expert.group(1))
-        if rest in _FUSED_PIECES:
-            param, piece = _FUSED_PIECES[rest]
+        pieces = _KDA_PIECES if layer_id in self.config.kda_layer_ids else {}
+        if rest in pieces or rest in _FUSED_PIECES:
+            param, piece = pieces.get(rest) or _FUSED_PIECES[rest]
             return prefix + param, piece, None
         return prefix + rest, None, None
 

@@ -61,7 +61,16 @@ def sharded_param(
         offsets.append(offsets[-1] + divide(size, world, "fused piece size"))
 
     def loader(p: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        offset = offsets[shard_id] if shard_id is not None else 0
+        if shard_id is None:
+            offset, full = 0, p.shape[dim] * world
+        else:
+            offset, full = offsets[shard_id], piece_sizes[shard_id]
+        expected = list(p.shape)
+        expected[dim] = full
+        if list(loaded.shape) != expected:
+            raise ValueError(
+                f"shape mismatch: expected {tuple(expected)} from the checkpoint, got {tuple(loaded.shape)}"
+            )
         copy_shard(p, loaded, dim, rank, world, offset)
 
     param.weight_loader = loader

@@ -1,0 +1,176 @@
+"""Varlen KDA entry points used by the model, over a pool of per-request recurrent states.
+
+Two backends:
+- "fla": fla-core 0.6's Triton kernels (`chunk_kda` for prefill, `fused_recurrent_kda` for decode),
+  used on CUDA tensors when `fla` imports.
+- "torch": the references in `naive.py` / `chunk.py`, used on CPU, when fla is missing, or when
+  forced with DELTASERVE_KDA_BACKEND=torch.
+
+DELTASERVE_KDA_BACKEND is read on every call: "auto" (default), "torch" or "fla" ("fla" fails
+loudly if it cannot be used). fla is imported lazily, so CPU runs never import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from deltaserve.ops.kda.chunk import chunk_kda_torch
+from deltaserve.ops.kda.naive import naive_recurrent_kda, recurrent_kda_step
+
+BACKEND_ENV = "DELTASERVE_KDA_BACKEND"
+BACKENDS = ("auto", "torch", "fla")
+# Below this many tokens the token loop is as cheap as setting up chunks.
+CHUNK_THRESHOLD = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_kda() -> ModuleType | None:
+    try:
+        import fla.ops.kda as fla_kda
+    except Exception:  # ImportError, or a Triton/driver failure while fla initialises
+        return None
+    return fla_kda
+
+
+def select_backend(device: torch.device) -> str:
+    """The backend ("fla" or "torch") that serves tensors on `device`."""
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={choice!r} is not one of {BACKENDS}; unset it or pick one of those")
+    if choice == "torch":
+        return "torch"
+    usable = device.type == "cuda" and _fla_kda() is not None
+    if choice == "fla" and not usable:
+        raise RuntimeError(
+            f"{BACKEND_ENV}=fla needs CUDA tensors and an importable fla-core 0.6 "
+            f"(got device {device}, fla importable: {_fla_kda() is not None}); "
+            f"set {BACKEND_ENV}=torch or auto"
+        )
+    return "fla" if usable else "torch"
+
+
+def _initial_states(
+    state_pool: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor
+) -> torch.Tensor:
+    """[N, H, K, V] starting states: the pool slot, or zeros where a sequence starts fresh.
+
+    `where` (not a multiply) so that NaN/inf garbage in unused slots never leaks in.
+    """
+    h0 = state_pool.index_select(0, state_slots)
+    keep = has_initial_state.to(device=h0.device, dtype=torch.bool).view(-1, 1, 1, 1)
+    return torch.where(keep, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """KDA over N sequences packed back to back, continuing from (and updating) pooled states.
+
+    Args:
+        q, k: [T, H, K] float32, l2-normalised, q not yet scaled.
+        v: [T, H, V]. g: [T, H, K] float32 log-space decay. beta: [T, H] float32.
+        scale: multiplies q.
+        cu_seqlens: [N + 1] long, sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1].
+        state_pool: [S, H, K, V] float32. state_pool[state_slots[i]] is read as the starting state
+            of sequence i when has_initial_state[i], and overwritten in place with its final state.
+            Other slots are left untouched.
+        state_slots: [N] long, distinct.
+        has_initial_state: [N] bool; False starts from zeros and never reads the slot.
+    Returns:
+        o: [T, H, V] float32.
+    """
+    state_slots = state_slots.to(device=state_pool.device, dtype=torch.long)
+    if state_slots.numel() == 0:
+        return v.new_zeros(v.shape, dtype=torch.float32)
+    h0 = _initial_states(state_pool, state_slots, has_initial_state)
+    if select_backend(q.device) == "fla":
+        o, final = _fla_kda().chunk_kda(
+            q=q.unsqueeze(0),
+            k=k.unsqueeze(0),
+            v=v.unsqueeze(0),
+            g=g.unsqueeze(0),
+            beta=beta.unsqueeze(0),
+            scale=scale,
+            initial_state=h0.float().contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False,
+            cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+        )
+        state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
+        return o.squeeze(0).float()
+
+    o = q.new_empty(v.shape, dtype=torch.float32)
+    bounds = cu_seqlens.tolist()
+    finals = []
+    for i in range(len(bounds) - 1):
+        bos, eos = bounds[i], bounds[i + 1]
+        fn = chunk_kda_torch if eos - bos > CHUNK_THRESHOLD else naive_recurrent_kda
+        # float64 on the reference path: where a sequence is cut into chunks (chunked prefill, checkpoint
+        # boundaries) then changes nothing visible in float32 outputs
+        pieces = [t[bos:eos].double() for t in (q, k, v, g, beta)]
+        o_i, final_i = fn(*pieces, scale, h0[i].double())
+        o[bos:eos] = o_i
+        finals.append(final_i)
+    state_pool.index_copy_(0, state_slots, torch.stack(finals).to(state_pool.dtype))
+    return o
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """One KDA step for each of B sequences, updating their pooled states in place.
+
+    Args:
+        q, k: [B, H, K] float32 (l2-normalised, q not yet scaled). v: [B, H, V].
+        g: [B, H, K] float32 log-space decay. beta: [B, H].
+        scale: multiplies q.
+        state_pool: [S, H, K, V] float32; slots state_slots are read and overwritten, others untouched.
+        state_slots: [B] long, distinct.
+    Returns:
+        o: [B, H, V] float32.
+    """
+    state_slots = state_slots.to(device=state_pool.device, dtype=torch.long)
+    if state_slots.numel() == 0:
+        return v.new_zeros(v.shape, dtype=torch.float32)
+    h0 = state_pool.index_select(0, state_slots)
+    if select_backend(q.device) == "fla":
+        # Keyword arguments on purpose: fused_recurrent_kda takes A_log and dt_bias before scale.
+        o, final = _fla_kda().fused_recurrent_kda(
+            q=q.unsqueeze(1),
+            k=k.unsqueeze(1),
+            v=v.unsqueeze(1),
+            g=g.unsqueeze(1),
+            beta=beta.unsqueeze(1),
+            scale=scale,
+            initial_state=h0.float().contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False,
+        )
+        state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
+        return o.squeeze(1).float()
+
+    o, final = recurrent_kda_step(q, k, v, g, beta, scale, h0)
+    state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
+    return o.float()

@@ -1,0 +1,95 @@
+"""KDA: the chunked form and the varlen/decode entry points against the token-by-token recurrence."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from deltaserve.ops.kda import chunk_kda_torch, kda_decode, kda_prefill, l2norm, naive_recurrent_kda
+
+
+def random_inputs(T, H=2, K=16, V=32, gen=None):
+    q = l2norm(torch.randn(T, H, K, generator=gen))
+    k = l2norm(torch.randn(T, H, K, generator=gen))
+    v = torch.randn(T, H, V, generator=gen)
+    g = -torch.rand(T, H, K, generator=gen) * 2.0  # log decay in [-2, 0]
+    beta = torch.rand(T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def test_l2norm_matches_formula():
+    x = torch.randn(5, 3, 8)
+    ref = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(l2norm(x), ref)
+
+
+@pytest.mark.parametrize("T", [1, 7, 31, 32, 33, 100])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_matches_recurrence(T, with_state):
+    q, k, v, g, beta = random_inputs(T)
+    state = torch.randn(2, 16, 32) if with_state else None
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, 0.25, state)
+    o, s = chunk_kda_torch(q, k, v, g, beta, 0.25, state, chunk_size=16)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_strong_decay_stays_finite():
+    q, k, v, g, beta = random_inputs(64)
+    g = g * 10  # down to -20 per step: exp of positive differences would overflow if not masked
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, 0.25)
+    o, s = chunk_kda_torch(q, k, v, g, beta, 0.25)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_varlen_prefill_with_slots_poison_and_initial_states():
+    lens = [5, 40, 1, 17]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
+    q, k, v, g, beta = random_inputs(sum(lens))
+    pool = torch.randn(8, 2, 16, 32)
+    pool[3] = float("nan")  # has_initial_state False: must not be read
+    pool[6] = 1e30
+    slots = torch.tensor([3, 1, 6, 4])
+    has_initial = torch.tensor([False, True, False, True])
+    untouched = pool[[0, 2, 5, 7]].clone()
+    initial = {1: pool[1].clone(), 4: pool[4].clone()}
+    o = kda_prefill(q, k, v, g, beta, 0.25, cu, pool, slots, has_initial)
+    for i, slot in enumerate(slots.tolist()):
+        s, e = cu[i].item(), cu[i + 1].item()
+        o_ref, s_ref = naive_recurrent_kda(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], 0.25, initial.get(slot))
+        torch.testing.assert_close(o[s:e], o_ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pool[slot], s_ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(pool[[0, 2, 5, 7]], untouched)
+
+
+def test_two_chunks_then_decodes_equal_one_pass():
+    T = 50
+    q, k, v, g, beta = random_inputs(T)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, 0.25)
+    pool = torch.full((3, 2, 16, 32), float("nan"))
+    slot = torch.tensor([2])
+    out = []
+    for s, e, init in [(0, 20, False), (20, 45, True)]:
+        cu = torch.tensor([0, e - s])
+        out.append(kda_prefill(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], 0.25, cu, pool, slot, torch.tensor([init])))
+    for t in range(45, T):
+        step = [x[t : t + 1] for x in (q, k, v, g, beta)]
+        out.append(kda_decode(*step, 0.25, pool, slot))
+    torch.testing.assert_close(torch.cat(out), o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pool[2], s_ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None or not torch.cuda.is_available(), reason="needs fla-core and CUDA"
+)
+def test_against_fla_naive_recurrent():
+    from fla.ops.kda.naive import naive_recurrent_kda as fla_naive
+
+    q, k, v, g, beta = random_inputs(37)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, 0.25)
+    o, s = fla_naive(q[None], k[None], v[None], g[None], beta[None], scale=0.25, output_final_state=True)
+    torch.testing.assert_close(o[0].float(), o_ref, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(s[0].float(), s_ref, atol=1e-4, rtol=1e-3)
