@@ -21,6 +21,12 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--cache-memory", dict(default=None, help="bytes for KV cache + state pool, e.g. 2GiB")),
     ("--gpu-memory-utilization", dict(type=float, default=EngineConfig.gpu_memory_utilization)),
     ("--enforce-eager", dict(action="store_true")),
+    ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
+                                     help="cache KV blocks and KDA state checkpoints across requests")),
+    ("--state-checkpoint-interval", dict(type=int, default=None,
+                                         help="tokens between state checkpoint rungs (a multiple of block size)")),
+    ("--state-checkpoint-fraction", dict(type=float, default=EngineConfig.state_checkpoint_fraction,
+                                         help="share of the cache kept for KDA state checkpoints")),
 ]
 
 

@@ -50,6 +50,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the sized number of KV blocks (tests, debugging)
     enforce_eager: bool = False
     max_logprobs: int = 20
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int | None = None  # tokens between rungs; None: about one image's worth of KV
+    state_checkpoint_fraction: float = 0.25  # of the cache left after live state slots, for checkpoints
+    state_checkpoint_unit_bytes: int | None = None  # None: min(image, 1 MiB)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel: ParallelConfig = field(init=False)
@@ -72,6 +76,17 @@ class EngineConfig:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        if self.state_checkpoint_interval is not None and (
+            self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % self.block_size
+        ):
+            raise ValueError(
+                f"state_checkpoint_interval={self.state_checkpoint_interval} must be a positive multiple of "
+                f"block_size={self.block_size}"
+            )
+        if not 0.0 <= self.state_checkpoint_fraction <= 0.9:
+            raise ValueError(f"state_checkpoint_fraction={self.state_checkpoint_fraction} must be in [0, 0.9]")
+        if self.state_checkpoint_unit_bytes is not None and self.state_checkpoint_unit_bytes < 1:
+            raise ValueError(f"state_checkpoint_unit_bytes={self.state_checkpoint_unit_bytes} must be positive")
         self.cache_memory = parse_bytes(self.cache_memory)
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size

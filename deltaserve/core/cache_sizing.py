@@ -1,4 +1,4 @@
-"""Split a cache budget between paged KV blocks and KDA state slots."""
+"""Split a cache budget between live KDA state slots, KDA state checkpoint units and paged KV blocks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 
 MiB = 1 << 20
+MAX_UNIT_BYTES = 1 << 20
+UNIT_ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -15,39 +17,81 @@ class CachePlan:
     num_state_slots: int
     kv_bytes: int
     state_bytes: int
+    num_checkpoint_units: int = 0
+    checkpoint_unit_bytes: int = 0
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.num_checkpoint_units * self.checkpoint_unit_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.kv_bytes + self.state_bytes
+        return self.kv_bytes + self.state_bytes + self.checkpoint_bytes
+
+
+def default_unit_bytes(image_bytes: int) -> int:
+    """Units of at most 1 MiB, aligned: a 48B-shape image (about 43 MB) takes 42 of them."""
+    unit = min(max(image_bytes, 1), MAX_UNIT_BYTES)
+    return -(-unit // UNIT_ALIGN) * UNIT_ALIGN
+
+
+def default_checkpoint_interval(kv_spec: MLALatentSpec, state_spec: KDAStateSpec) -> int:
+    """Rungs about as far apart as the tokens whose KV takes the bytes of one checkpoint: a power of
+    two number of blocks (tiny preset: 128 tokens; the 48B shape in bfloat16: 8192)."""
+    tokens = state_spec.bytes_per_image / max(kv_spec.bytes_per_token, 1)
+    blocks = 1
+    while blocks * kv_spec.block_size < tokens:
+        blocks *= 2
+    return blocks * kv_spec.block_size
 
 
 def plan_cache(
-    cache_bytes: int, kv_spec: MLALatentSpec, state_spec: KDAStateSpec, max_num_seqs: int, max_model_len: int
+    cache_bytes: int,
+    kv_spec: MLALatentSpec,
+    state_spec: KDAStateSpec,
+    max_num_seqs: int,
+    max_model_len: int,
+    slots_per_seq: int = 1,
+    checkpoint_fraction: float = 0.0,
+    checkpoint_unit_bytes: int | None = None,
 ) -> CachePlan:
-    """One state slot per concurrent sequence (up to `max_num_seqs`), the rest of the budget in KV blocks.
+    """`slots_per_seq` state slots per concurrent sequence (up to `max_num_seqs` sequences), then
+    `checkpoint_fraction` of what is left in checkpoint units, the rest in KV blocks.
 
     Refuses (ValueError) a budget that cannot hold one sequence of `max_model_len` tokens, saying
-    what to change. When the budget cannot give every one of `max_num_seqs` sequences a state slot
-    while keeping one full-length sequence's blocks, fewer slots are planned.
+    what to change. A tight budget gets fewer slots (fewer concurrent sequences) and fewer units
+    rather than less than one full-length sequence of KV.
     """
     block_bytes = kv_spec.bytes_per_block
-    image_bytes = state_spec.bytes_per_image
+    seq_state = slots_per_seq * state_spec.bytes_per_image
     blocks_one_seq = kv_spec.blocks_for(max_model_len)
-    one_seq = blocks_one_seq * block_bytes + image_bytes
+    one_seq = blocks_one_seq * block_bytes + seq_state
     if cache_bytes < one_seq:
         raise ValueError(
             f"the cache budget of {cache_bytes / MiB:.1f} MiB cannot hold one sequence of "
-            f"max_model_len={max_model_len} tokens ({blocks_one_seq} KV blocks of {block_bytes} bytes plus a "
-            f"{image_bytes / MiB:.2f} MiB KDA state image = {one_seq / MiB:.1f} MiB); raise cache_memory "
-            f"(--cache-memory) or gpu_memory_utilization, or lower max_model_len"
+            f"max_model_len={max_model_len} tokens ({blocks_one_seq} KV blocks of {block_bytes} bytes plus "
+            f"{slots_per_seq} KDA state image(s) of {state_spec.bytes_per_image / MiB:.2f} MiB = "
+            f"{one_seq / MiB:.1f} MiB); raise cache_memory (--cache-memory) or gpu_memory_utilization, "
+            f"or lower max_model_len"
         )
-    if image_bytes == 0:
-        slots = max_num_seqs
+    if seq_state == 0:
+        seqs = max_num_seqs
     else:
-        slots = max(1, min(max_num_seqs, (cache_bytes - blocks_one_seq * block_bytes) // image_bytes))
-    state_bytes = slots * image_bytes
-    if block_bytes == 0:
-        num_blocks = blocks_one_seq * slots
-    else:
-        num_blocks = (cache_bytes - state_bytes) // block_bytes
-    return CachePlan(num_blocks, slots, num_blocks * block_bytes, state_bytes)
+        seqs = max(1, min(max_num_seqs, (cache_bytes - blocks_one_seq * block_bytes) // seq_state))
+    state_bytes = seqs * seq_state
+    rest = cache_bytes - state_bytes
+    units, unit_bytes = 0, 0
+    if checkpoint_fraction > 0 and state_spec.bytes_per_image > 0:
+        unit_bytes = checkpoint_unit_bytes or default_unit_bytes(state_spec.bytes_per_image)
+        spare = rest - blocks_one_seq * block_bytes
+        units = max(0, min(int(rest * checkpoint_fraction), spare) // unit_bytes)
+    rest -= units * unit_bytes
+    num_blocks = blocks_one_seq * seqs if block_bytes == 0 else rest // block_bytes
+    return CachePlan(
+        num_blocks=num_blocks,
+        num_state_slots=seqs * slots_per_seq,
+        kv_bytes=num_blocks * block_bytes,
+        state_bytes=state_bytes,
+        num_checkpoint_units=units,
+        checkpoint_unit_bytes=unit_bytes,
+    )

@@ -60,6 +60,8 @@ class PrefixCache:
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's full-block hashes over prompt + output so far (cached on the request)."""
+        if (len(request.block_hashes) + 1) * self.block_size > request.num_tokens:
+            return request.block_hashes  # no new full block: skip building the token list
         return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
 
     def lookup(self, request: Request) -> PrefixHit:

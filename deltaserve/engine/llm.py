@@ -39,6 +39,10 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options), model=built_model)
         self._request_counter = itertools.count()
 
+    def get_metrics(self) -> dict[str, Any]:
+        """Engine counters: scheduler, KV cache, prefix-cache hits and KDA state checkpoints."""
+        return self.llm_engine.get_metrics()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

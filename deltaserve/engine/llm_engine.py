@@ -16,8 +16,10 @@ from typing import Any
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
-from deltaserve.core.cache_sizing import CachePlan, plan_cache
+from deltaserve.core.cache_sizing import CachePlan, default_checkpoint_interval, plan_cache
+from deltaserve.core.checkpoint_pool import CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
+from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.state_pool import StateSlotPool
@@ -60,28 +62,47 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.executor = UniProcExecutor(config, self.model_config, self.model_dir, model)
         kv_spec, state_spec = self.executor.cache_specs()
+        caching = config.enable_prefix_caching
+        slots_per_seq = 2 if caching else 1  # prefix caching: a boundary slot beside the live one
         self.cache_plan: CachePlan = plan_cache(
-            self.executor.available_cache_bytes(), kv_spec, state_spec, config.max_num_seqs, self.max_model_len
+            self.executor.available_cache_bytes(), kv_spec, state_spec, config.max_num_seqs, self.max_model_len,
+            slots_per_seq=slots_per_seq,
+            checkpoint_fraction=config.state_checkpoint_fraction if caching else 0.0,
+            checkpoint_unit_bytes=config.state_checkpoint_unit_bytes,
         )
         if config.num_kv_blocks is not None:
             self.cache_plan = dataclasses.replace(self.cache_plan, num_blocks=config.num_kv_blocks)
         self.executor.initialize_cache(self.cache_plan)
+        kv_manager = KVCacheManager(kv_spec, self.cache_plan.num_blocks, enable_prefix_caching=caching)
+        self.prefix_cache: PrefixCache | None = None
+        if caching:
+            interval = config.state_checkpoint_interval or default_checkpoint_interval(kv_spec, state_spec)
+            units = CheckpointPool(
+                self.cache_plan.num_checkpoint_units,
+                max(self.cache_plan.checkpoint_unit_bytes, 1),
+                state_spec.bytes_per_image,
+            )
+            self.prefix_cache = PrefixCache(kv_manager, units, interval)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots),
+                max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots // slots_per_seq),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
             ),
-            KVCacheManager(kv_spec, self.cache_plan.num_blocks),
+            kv_manager,
             StateSlotPool(self.cache_plan.num_state_slots),
+            self.prefix_cache,
         )
         self.eos_token_ids = self._eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
+        self._num_computed_tokens = 0
         logger.info(
-            "deltaserve engine: model=%s dtype=%s device=%s kv_blocks=%d (block_size %d) state_slots=%d",
+            "deltaserve engine: model=%s dtype=%s device=%s kv_blocks=%d (block_size %d) state_slots=%d "
+            "checkpoint_units=%d x %d bytes prefix_caching=%s",
             self.model_dir, self.executor.worker.dtype, self.executor.worker.device,
             self.cache_plan.num_blocks, config.block_size, self.cache_plan.num_state_slots,
+            self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, caching,
         )
 
     def _resolve_max_model_len(self) -> int:
@@ -180,12 +201,57 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
+    def get_metrics(self) -> dict[str, Any]:
+        """Counters and gauges of the scheduler, the KV cache and the prefix cache (plain numbers)."""
+        kv = self.scheduler.kv_cache_manager
+        metrics: dict[str, Any] = {
+            "scheduler": {
+                "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting,
+                "num_preemptions": self.scheduler.num_preemptions_total,
+                "computed_tokens": self._num_computed_tokens,
+            },
+            "kv_cache": {
+                "num_blocks": kv.num_blocks,
+                "num_free_blocks": kv.num_free_blocks,
+                "num_cached_blocks": kv.pool.num_cached_blocks,
+                "evicted_blocks": kv.pool.num_evicted_blocks,
+                "usage": kv.usage,
+                "block_bytes": kv.spec.bytes_per_block,
+            },
+            "state_slots": {
+                "num_slots": self.scheduler.state_pool.num_slots,
+                "num_free": self.scheduler.state_pool.num_free,
+            },
+        }
+        pc = self.prefix_cache
+        if pc is not None:
+            stats = dataclasses.asdict(pc.stats)
+            stats["hit_rate"] = pc.stats.hit_tokens / pc.stats.queried_tokens if pc.stats.queried_tokens else 0.0
+            stats["checkpoint_interval"] = pc.checkpoint_interval
+            metrics["prefix_cache"] = stats
+            cps = pc.checkpoints
+            metrics["checkpoints"] = {
+                "filed": dict(cps.stats.filed),
+                "evicted": dict(cps.stats.evicted),
+                "declined_no_units": cps.stats.declined_no_units,
+                "num_checkpoints": cps.num_checkpoints,
+                "capacity": cps.capacity,
+                "bytes_in_use": cps.bytes_in_use,
+                "image_bytes": cps.image_bytes,
+                "unit_bytes": cps.unit_bytes,
+                "units_per_checkpoint": cps.units_per_checkpoint,
+                "num_units": cps.num_units,
+            }
+        return metrics
+
     # The loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that produced a token."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        self._num_computed_tokens += scheduler_output.num_scheduled_tokens
         runner_output = self.executor.execute_model(scheduler_output)
         finished = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request())
         return self._process_outputs(runner_output, {r.request_id for r in finished})
@@ -250,4 +316,5 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )

@@ -16,6 +16,7 @@ from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.sample.sampler import Sampler, SamplingMetadata, step_seed
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.runner_output import ModelRunnerOutput, TokenLogprobs
+from deltaserve.worker.state_store import StateCheckpointStore
 
 
 def is_decode(chunk: ScheduledChunk) -> bool:
@@ -39,6 +40,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.sampling_params: dict[str, SamplingParams] = {}
+        self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Flatten the step. Host-side work only; one transfer per tensor."""
@@ -98,12 +100,16 @@ class ModelRunner:
             self.sampling_params[new.request_id] = new.sampling_params
         for request_id in scheduler_output.finished_request_ids:
             self.sampling_params.pop(request_id, None)
+        if self.state_store is not None:
+            self.state_store.before_forward(scheduler_output)
         if not scheduler_output.chunks:
             return ModelRunnerOutput()
 
         step = self.prepare(scheduler_output)
         with set_forward_context(step.context):
             hidden = self.model(step.input_ids)
+        if self.state_store is not None:
+            self.state_store.after_forward(scheduler_output)
         if not step.sample_chunks:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[step.sample_rows])

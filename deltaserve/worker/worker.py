@@ -15,6 +15,7 @@ from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.worker.model_runner import ModelRunner
 from deltaserve.worker.runner_output import ModelRunnerOutput
+from deltaserve.worker.state_store import StateCheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ class Worker:
                     plan.num_state_slots, layer.num_heads, layer.head_dim, layer.head_dim, dtype=torch.float32
                 )
                 layer.bind_state(conv, rec)
+        if plan.num_checkpoint_units:
+            tensors = [t for layer in self.model.kda_layers() for t in (layer.conv_state, layer.recurrent_state)]
+            store = StateCheckpointStore(tensors, plan.num_checkpoint_units, plan.checkpoint_unit_bytes)
+            assert self.runner is not None
+            self.runner.state_store = store
 
     # Steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,1 @@
+"""Benchmarks and simulators that run the engine's plain-Python parts without a model."""

@@ -1,0 +1,253 @@
+"""Replay a Mooncake trace through the real scheduler and prefix cache, with no model.
+
+Each trace record names its prompt as 512-token blocks (`hash_ids`; equal ids are equal blocks).
+The simulator synthesizes the prompt's token ids from those ids (block i is
+`[hash_ids[i] * 512 + j for j in range(512)]`, so equal ids give equal tokens and different ids
+disjoint ones), truncated to `input_length`, and drives `Scheduler` + `KVCacheManager` +
+`CheckpointPool` + `PrefixCache` step by step, feeding one fixed sampled token per sampled chunk.
+
+Choices, stated in the output:
+  - block_size is 512, so a trace block is one KV block;
+  - one checkpoint is one unit (the image is unit-sized), so `checkpoint_units` is a checkpoint count;
+  - max_tokens = min(output_length, max_output_tokens) to keep runs short;
+  - arrivals follow trace order under a concurrency limit: each request is added, then steps run
+    until at most `concurrency` requests are in flight (waiting + running). Timestamps only order
+    the requests; reuse therefore depends on order and cache size, not on a guessed step time.
+
+The oracle is an infinite cache: for each request the longest leading run of its hash_ids that
+is a leading run of the full blocks of any earlier request, never covering its last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from deltaserve.core.checkpoint_pool import CheckpointPool
+from deltaserve.core.kv_cache_manager import KVCacheManager
+from deltaserve.core.kv_cache_spec import MLALatentSpec
+from deltaserve.core.prefix_cache import PrefixCache
+from deltaserve.core.request import Request
+from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+from deltaserve.core.state_pool import StateSlotPool
+
+TRACE_BLOCK = 512  # tokens per Mooncake hash id
+SAMPLED_TOKEN = -1  # never a prompt token (prompt tokens are >= 0)
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    timestamp: int  # ms
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: str, max_requests: int | None = None) -> list[TraceRecord]:
+    """The trace's records in arrival (timestamp) order, at most `max_requests` of them."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            records.append(TraceRecord(r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"])))
+            if max_requests is not None and len(records) >= max_requests:
+                break
+    records.sort(key=lambda r: r.timestamp)  # stable: ties keep file order
+    return records
+
+
+def prompt_token_ids(record: TraceRecord) -> list[int]:
+    """Token ids of the prompt: block i is derived from hash_ids[i] alone, truncated to input_length."""
+    tokens: list[int] = []
+    for h in record.hash_ids:
+        base = h * TRACE_BLOCK
+        tokens.extend(range(base, base + TRACE_BLOCK))
+    return tokens[: record.input_length]
+
+
+def oracle_hit_tokens(records: Sequence[TraceRecord]) -> list[int]:
+    """Per request, the tokens an infinite block cache could skip: the longest leading run of its
+    hash_ids equal to a leading run of full blocks of any earlier request, capped below its last token."""
+    trie: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node; node 0 is the root
+    hits = []
+    for r in records:
+        max_blocks = (r.input_length - 1) // TRACE_BLOCK
+        node, n = 0, 0
+        for h in r.hash_ids[:max_blocks]:
+            child = trie.get((node, h))
+            if child is None:
+                break
+            node, n = child, n + 1
+        hits.append(n * TRACE_BLOCK)
+        node = 0
+        for h in r.hash_ids[: r.input_length // TRACE_BLOCK]:
+            node = trie.setdefault((node, h), len(trie) + 1)
+    return hits
+
+
+def _steps(scheduler: Scheduler) -> Iterator[None]:
+    """Run one scheduler step per iteration; every sampled chunk gets SAMPLED_TOKEN."""
+    while True:
+        out = scheduler.schedule()
+        if not out.chunks:
+            raise RuntimeError(
+                f"no progress with {scheduler.num_waiting} waiting and {scheduler.num_running} running: "
+                "a request needs more KV blocks than kv_blocks; raise kv_blocks"
+            )
+        scheduler.update_from_output(out, {c.request_id: SAMPLED_TOKEN for c in out.chunks if c.sample})
+        yield
+
+
+def run_cache_sim(
+    trace_path: str,
+    kv_blocks: int,
+    checkpoint_units: int,
+    checkpoint_interval: int,
+    max_requests: int | None = None,
+    max_output_tokens: int = 64,
+    concurrency: int = 64,
+    max_num_batched_tokens: int = 16384,
+    records: Sequence[TraceRecord] | None = None,
+) -> dict:
+    """Replay the trace through one cache configuration; returns its numbers as plain data.
+
+    hit_tokens counts each request's hit at its first admission (re-admissions after a preemption
+    are left out, so hit and oracle share the denominator queried_tokens = sum of input_length).
+    """
+    if records is None:
+        records = read_trace(trace_path, max_requests)
+    started = time.perf_counter()
+    spec = MLALatentSpec(block_size=TRACE_BLOCK, num_layers=1, latent_dim=1, dtype_bytes=1)
+    kv = KVCacheManager(spec, kv_blocks, enable_prefix_caching=True)
+    checkpoints = CheckpointPool(checkpoint_units, unit_bytes=1, image_bytes=1)
+    prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval)
+    max_len = max((r.input_length for r in records), default=0) + max_output_tokens + 1
+    config = SchedulerConfig(
+        max_num_seqs=concurrency, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len
+    )
+    state_pool = StateSlotPool(2 * concurrency)
+    scheduler = Scheduler(config, kv, state_pool, prefix_cache)
+    steps = _steps(scheduler)
+    num_steps = 0
+    requests = []
+    for i, r in enumerate(records):
+        if spec.blocks_for(r.input_length + max_output_tokens) > kv_blocks:
+            raise ValueError(
+                f"kv_blocks={kv_blocks} cannot hold request {i} ({r.input_length} prompt tokens); raise kv_blocks"
+            )
+        request = Request(
+            f"r{i}", prompt_token_ids(r), max_tokens=max(1, min(r.output_length, max_output_tokens)), arrival_index=i
+        )
+        requests.append(request)
+        scheduler.add_request(request)
+        while scheduler.num_running + scheduler.num_waiting > concurrency:
+            next(steps)
+            num_steps += 1
+    while scheduler.has_unfinished_requests():
+        next(steps)
+        num_steps += 1
+
+    queried = sum(r.input_length for r in records)
+    hit = sum(req.num_cached_tokens or 0 for req in requests)
+    oracle = sum(oracle_hit_tokens(records))
+    stats = prefix_cache.stats
+    return {
+        "kv_blocks": kv_blocks,
+        "checkpoint_units": checkpoint_units,
+        "checkpoint_interval": checkpoint_interval,
+        "num_requests": len(records),
+        "max_output_tokens": max_output_tokens,
+        "concurrency": concurrency,
+        "queried_tokens": queried,
+        "hit_tokens": hit,
+        "hit_rate": hit / queried if queried else 0.0,
+        "oracle_hit_tokens": oracle,
+        "oracle_hit_rate": oracle / queried if queried else 0.0,
+        "hit_over_oracle": hit / oracle if oracle else 0.0,
+        "kv_hit_tokens_all_admissions": stats.kv_hit_tokens,
+        "tokens_lost_to_missing_checkpoint": stats.tokens_lost_to_missing_checkpoint,
+        "checkpoints_filed": dict(checkpoints.stats.filed),
+        "checkpoints_evicted": dict(checkpoints.stats.evicted),
+        "checkpoints_declined_no_units": checkpoints.stats.declined_no_units,
+        "num_preemptions": scheduler.num_preemptions_total,
+        "num_steps": num_steps,
+        "kv_free_blocks_at_end": kv.num_free_blocks,
+        "state_slots_free_at_end": state_pool.num_free,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def format_table(results: Sequence[dict]) -> str:
+    """One row per configuration; filed/evicted columns are rung/prompt_end/end_of_sequence/demand."""
+    kinds = ("rung", "prompt_end", "end_of_sequence", "demand")
+    header = (
+        f"{'kv_blocks':>9} {'ckpt_units':>10} {'interval':>8} {'queried':>11} {'hit':>11} {'hit%':>6} "
+        f"{'oracle%':>7} {'hit/orc':>7} {'lost_ckpt':>10} {'filed r/p/e/d':>22} {'evicted r/p/e/d':>22} {'preempt':>7}"
+    )
+    lines = [header]
+    for r in results:
+        filed = "/".join(str(r["checkpoints_filed"][k]) for k in kinds)
+        evicted = "/".join(str(r["checkpoints_evicted"][k]) for k in kinds)
+        lines.append(
+            f"{r['kv_blocks']:>9} {r['checkpoint_units']:>10} {r['checkpoint_interval']:>8} "
+            f"{r['queried_tokens']:>11} {r['hit_tokens']:>11} {100 * r['hit_rate']:>6.2f} "
+            f"{100 * r['oracle_hit_rate']:>7.2f} {r['hit_over_oracle']:>7.3f} "
+            f"{r['tokens_lost_to_missing_checkpoint']:>10} {filed:>22} {evicted:>22} {r['num_preemptions']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaserve bench cache-sim", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", required=True, help="Mooncake trace, JSONL")
+    p.add_argument("--kv-blocks", default="2000,8000,32000", help="comma-separated KV cache sizes in 512-token blocks")
+    p.add_argument("--intervals", default="2048,8192,32768", help="comma-separated checkpoint intervals in tokens")
+    p.add_argument("--checkpoint-units", default=None, help="comma-separated, one per --kv-blocks (default kv/8)")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--json", default=None, help="also write the results here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    """Run the grid kv_blocks x intervals, print one row per configuration (the table last); returns the rows."""
+    args = build_parser().parse_args(argv)
+    kv_sizes = _ints(args.kv_blocks)
+    units = _ints(args.checkpoint_units) if args.checkpoint_units else [n // 8 for n in kv_sizes]
+    if len(units) != len(kv_sizes):
+        raise SystemExit(f"--checkpoint-units={args.checkpoint_units} needs one value per --kv-blocks={args.kv_blocks}")
+    records = read_trace(args.trace, args.max_requests)
+    print(
+        f"trace={args.trace} requests={len(records)} block_size={TRACE_BLOCK} "
+        f"max_tokens=min(output_length, {args.max_output_tokens}) concurrency={args.concurrency} "
+        "one checkpoint = one unit (unit-sized image); arrivals in trace order under the concurrency limit"
+    )
+    results = []
+    for kv_blocks, num_units in zip(kv_sizes, units, strict=True):
+        for interval in _ints(args.intervals):
+            r = run_cache_sim(
+                args.trace,
+                kv_blocks,
+                num_units,
+                interval,
+                max_output_tokens=args.max_output_tokens,
+                concurrency=args.concurrency,
+                records=records,
+            )
+            print(f"kv_blocks={kv_blocks} interval={interval}: {r['seconds']:.1f}s", flush=True)
+            results.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(format_table(results))
+    return results
