@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `generate` and `make-model`."""
+"""The `deltaserve` command: `generate`, `make-model` and `bench cache-sim`."""
 
 from __future__ import annotations
 
@@ -100,11 +100,25 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: the preset's)")
     make.set_defaults(func=_cmd_make_model)
+
+    bench = sub.add_parser("bench", help="benchmarks and planning tools")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    sim = bench_sub.add_parser(
+        "cache-sim", help="replay a Mooncake trace through the prefix cache (no model): hit rate vs its oracle",
+        add_help=False,
+    )
+    sim.add_argument("options", nargs="*", help="--trace, --kv-blocks, --intervals, --max-requests, ...")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "cache-sim"]:  # its options belong to the simulator's own parser
+        from deltaserve.bench.cache_sim import main as cache_sim_main
+
+        cache_sim_main(argv[2:])
+        return 0
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
