@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import statistics
+import tempfile
 import time
 
 import torch
@@ -40,7 +41,7 @@ def oracle_tokens(history: list[list[int]], prompt: list[int]) -> int:
 
 def run(mode_caching: bool, args: argparse.Namespace) -> dict:
     llm = LLM(
-        dtype="float32", device=args.device, block_size=BLOCK, enable_prefix_caching=mode_caching,
+        model=args.model, dtype="float32", device=args.device, block_size=BLOCK, enable_prefix_caching=mode_caching,
         max_num_batched_tokens=args.budget, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
     )
     engine = llm.llm_engine
@@ -96,6 +97,22 @@ def run(mode_caching: bool, args: argparse.Namespace) -> dict:
     }
 
 
+def long_context_tiny(max_len: int) -> str:
+    """The tiny preset's weights with `model_max_length` raised: the model has no positional encoding."""
+    from deltaserve.model_files.make_model import make_model
+
+    out = os.path.join(tempfile.gettempdir(), f"deltaserve-tiny-{max_len}")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        make_model("tiny", out, seed=0)
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["model_max_length"] = max_len
+    with open(path, "w") as f:
+        json.dump(config, f, indent=1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=4)
@@ -107,18 +124,24 @@ def main() -> None:
     parser.add_argument("--cache-memory", default="256MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: the embedded tiny preset)")
+    parser.add_argument("--long-context", type=int, default=None,
+                        help="make a tiny-preset copy whose context limit is this many tokens (NoPE: only a limit)")
     args = parser.parse_args()
+    if args.long_context:
+        args.model = long_context_tiny(args.long_context)
     rows = [run(True, args), run(False, args)]
     result = {
         "date": datetime.date.today().isoformat(),
         "host": platform.platform(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
         "torch": torch.__version__,
-        "model": "embedded tiny preset (random weights)",
+        "model": args.model or "embedded tiny preset (random weights)",
         "args": vars(args),
         "rows": rows,
     }
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"agentic_{result['date']}.json")
+    name = f"agentic_{result['date']}{'_long' if args.long_context else ''}.json"
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
