@@ -168,7 +168,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk_length(request, request.num_computed_tokens, budget)
+            num_new, kind = self._chunk_length(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -183,7 +183,7 @@ class Scheduler:
                         break
             if table is None:
                 break
-            self._schedule_chunk(request, num_new, table, out)
+            self._schedule_chunk(request, num_new, table, out, kind)
             budget -= num_new
             i += 1
 
@@ -192,7 +192,7 @@ class Scheduler:
             if self.state_pool.num_free < self.slots_per_request:
                 break
             hit = self.prefix_cache.lookup(request) if self.prefix_cache is not None else NO_HIT
-            num_new = self._chunk_length(request, hit.num_tokens, budget)
+            num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
             if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new, hit.block_ids):
                 break
             self.waiting.popleft()
@@ -217,7 +217,7 @@ class Scheduler:
                 out.new_requests.append(
                     NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
                 )
-            self._schedule_chunk(request, num_new, table, out)
+            self._schedule_chunk(request, num_new, table, out, kind)
             budget -= num_new
 
         finished = self._finished_since_last_step
@@ -239,17 +239,19 @@ class Scheduler:
         assert self.prefix_cache is not None
         return self.prefix_cache.checkpoints.get(cp.block_hash) is cp
 
-    def _chunk_length(self, request: Request, start: int, budget: int) -> int:
+    def _chunk_length(self, request: Request, start: int, budget: int) -> tuple[int, CheckpointKind | None]:
         """Tokens to compute from `start`: what is left, within the budget, ending on the first
-        checkpoint boundary on the way."""
+        checkpoint boundary on the way; and the kind of checkpoint to file at the chunk's end."""
         end = start + min(request.num_tokens - start, budget)
         if self.prefix_cache is not None and end > start:
             boundary = self.prefix_cache.next_boundary(request, start, end)
             if boundary is not None:
-                end = boundary[0]
-        return end - start
+                return boundary[0] - start, boundary[1]
+        return end - start, None
 
-    def _schedule_chunk(self, request: Request, num_new: int, table: list[int], out: _StepBuilder) -> None:
+    def _schedule_chunk(
+        self, request: Request, num_new: int, table: list[int], out: _StepBuilder, kind: CheckpointKind | None
+    ) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         slot = self.state_pool.slot_of(request.request_id)
@@ -269,9 +271,8 @@ class Scheduler:
         pc = self.prefix_cache
         if pc is None or end % pc.block_size:
             return
-        boundary = pc.next_boundary(request, end - 1, end)
-        if boundary is not None:
-            cp = pc.file(request, end, boundary[1])
+        if kind is not None:
+            cp = pc.file(request, end, kind)
             if cp is not None:
                 out.saves_after.append(StateSave(slot, list(cp.unit_ids)))
                 self._to_publish.append(cp.block_hash)

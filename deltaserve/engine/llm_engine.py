@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.config.engine_config import EngineConfig
@@ -48,7 +48,6 @@ class _Tracked:
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     finish_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
