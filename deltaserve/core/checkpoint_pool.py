@@ -65,6 +65,11 @@ class CheckpointPool:
         return self.num_units // self.units_per_checkpoint
 
     @property
+    def num_pinned(self) -> int:
+        """Checkpoints some scheduled request is about to load from."""
+        return sum(1 for cp in self._lru.values() if cp.pins > 0)
+
+    @property
     def bytes_in_use(self) -> int:
         return (self.num_units - len(self._free_units)) * self.unit_bytes
 

@@ -1,0 +1,300 @@
+"""The engine core: scheduler, caches and executor, stepping on token ids only.
+
+It never sees text. Requests arrive tokenized and validated (`EngineCoreRequest`); each step returns
+the new token ids and logprobs of every request that sampled (`EngineCoreOutput`), plus plain
+numbers for metrics (`IterationStats`). Detokenization and stop strings live in the output
+processor, in the offline `LLMEngine` or in each API front-end process, so the loop here never waits
+on a tokenizer. Everything that crosses this boundary is a plain dataclass that pickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltaserve.config.engine_config import EngineConfig
+from deltaserve.config.model_config import KimiLinearConfig
+from deltaserve.core.cache_sizing import CachePlan, default_checkpoint_interval, plan_cache
+from deltaserve.core.checkpoint_pool import CheckpointPool
+from deltaserve.core.kv_cache_manager import KVCacheManager
+from deltaserve.core.prefix_cache import PrefixCache
+from deltaserve.core.request import Request, RequestStatus
+from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+from deltaserve.core.state_pool import StateSlotPool
+from deltaserve.executor.uniproc import UniProcExecutor
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.worker.runner_output import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized, validated request. `max_tokens` is resolved (never None)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request.
+
+    finish_reason: None while running, else "stop" / "length" (set by the core) or "abort".
+    stop_reason: the stop token id that ended it, if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """Plain numbers from one step, for Prometheus and the periodic log line."""
+
+    num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token this step
+    num_generation_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class _Timing:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+
+
+class EngineCore:
+    """One scheduler, one executor, the KV cache, the state pool and the prefix cache."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, model_config: KimiLinearConfig,
+                 max_model_len: int, eos_token_ids: Iterable[int], model: Any = None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self._arrivals = itertools.count()
+        self.executor = UniProcExecutor(config, model_config, model_dir, model)
+        kv_spec, state_spec = self.executor.cache_specs()
+        caching = config.enable_prefix_caching
+        slots_per_seq = 2 if caching else 1  # prefix caching: a boundary slot beside the live one
+        self.cache_plan: CachePlan = plan_cache(
+            self.executor.available_cache_bytes(), kv_spec, state_spec, config.max_num_seqs, max_model_len,
+            slots_per_seq=slots_per_seq,
+            checkpoint_fraction=config.state_checkpoint_fraction if caching else 0.0,
+            checkpoint_unit_bytes=config.state_checkpoint_unit_bytes,
+        )
+        if config.num_kv_blocks is not None:
+            self.cache_plan = dataclasses.replace(self.cache_plan, num_blocks=config.num_kv_blocks)
+        self.executor.initialize_cache(self.cache_plan)
+        kv_manager = KVCacheManager(kv_spec, self.cache_plan.num_blocks, enable_prefix_caching=caching)
+        self.prefix_cache: PrefixCache | None = None
+        if caching:
+            interval = config.state_checkpoint_interval or default_checkpoint_interval(kv_spec, state_spec)
+            units = CheckpointPool(
+                self.cache_plan.num_checkpoint_units,
+                max(self.cache_plan.checkpoint_unit_bytes, 1),
+                state_spec.bytes_per_image,
+            )
+            self.prefix_cache = PrefixCache(kv_manager, units, interval)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots // slots_per_seq),
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            kv_manager,
+            StateSlotPool(self.cache_plan.num_state_slots),
+            self.prefix_cache,
+        )
+        self._timings: dict[str, _Timing] = {}
+        self._num_computed_tokens = 0
+        logger.info(
+            "deltaserve engine: model=%s dtype=%s device=%s kv_blocks=%d (block_size %d) state_slots=%d "
+            "checkpoint_units=%d x %d bytes prefix_caching=%s",
+            model_dir, self.executor.worker.dtype, self.executor.worker.device,
+            self.cache_plan.num_blocks, config.block_size, self.cache_plan.num_state_slots,
+            self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, caching,
+        )
+
+    # Requests --------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError, changing nothing, if the id is taken or it cannot fit."""
+        if req.request_id in self._timings:
+            raise ValueError(f"request_id={req.request_id!r} is already in use")
+        if not req.prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty (0 tokens)")
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(req.prompt_token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        params = req.params
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            max_tokens=req.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=tuple(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            arrival_index=next(self._arrivals),
+            sampling_params=params,
+        )
+        self.scheduler.add_request(request)
+        self._timings[req.request_id] = _Timing(req.arrival_time)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                        ) -> None:
+        """End requests now (an abort, or a stop string the output processor found) and free their
+        blocks, state slots and checkpoint pins. Unknown or finished ids are ignored."""
+        ids = list(request_ids)
+        self.scheduler.finish_requests(ids, status)
+        for request_id in ids:
+            self._timings.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    # The loop --------------------------------------------------------------------------------
+    def step(self) -> tuple[list[EngineCoreOutput], IterationStats]:
+        """Schedule, run the model, apply the sampled tokens. Returns one output per request that
+        sampled this step, and the step's statistics."""
+        stats = IterationStats()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return [], stats
+        now = time.time()
+        for new in scheduler_output.new_requests:
+            timing = self._timings.get(new.request_id)
+            if timing is not None and timing.first_scheduled_time is None:
+                timing.first_scheduled_time = now
+        stats.num_computed_tokens = scheduler_output.num_scheduled_tokens
+        self._num_computed_tokens += stats.num_computed_tokens
+        runner_output = self.executor.execute_model(scheduler_output)
+        finished = {
+            r.request_id: r
+            for r in self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request())
+        }
+        now = time.time()
+        outputs = []
+        for request_id, token_id, lp in zip(
+            runner_output.request_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
+        ):
+            timing = self._timings.get(request_id)
+            if timing is None:
+                continue  # aborted while the step ran
+            request = finished.get(request_id) or self.scheduler.get_request(request_id)
+            if request is None:
+                continue
+            self._record_token(stats, request, timing, now)
+            out = EngineCoreOutput(
+                request_id, [token_id], [lp] if lp is not None else None,
+                num_cached_tokens=request.num_cached_tokens or 0,
+            )
+            if request_id in finished:
+                out.finish_reason = request.finish_reason
+                out.stop_reason = request.stop_reason
+                stats.finished.append(self._finished_stats(request, timing, now))
+                del self._timings[request_id]
+            outputs.append(out)
+        return outputs, stats
+
+    @staticmethod
+    def _record_token(stats: IterationStats, request: Request, timing: _Timing, now: float) -> None:
+        stats.num_generation_tokens += 1
+        if timing.last_token_time is None:
+            stats.num_prompt_tokens += request.num_prompt_tokens
+            stats.time_to_first_tokens.append(now - timing.arrival_time)
+        else:
+            stats.inter_token_latencies.append(now - timing.last_token_time)
+        timing.last_token_time = now
+
+    @staticmethod
+    def _finished_stats(request: Request, timing: _Timing, now: float) -> FinishedRequestStats:
+        scheduled = timing.first_scheduled_time or now
+        return FinishedRequestStats(
+            finish_reason=request.finish_reason or "stop",
+            e2e_latency=now - timing.arrival_time,
+            queue_time=scheduled - timing.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
+    # Introspection ---------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        """Counters and gauges of the scheduler, the KV cache and the prefix cache (plain numbers)."""
+        kv = self.scheduler.kv_cache_manager
+        metrics: dict[str, Any] = {
+            "scheduler": {
+                "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting,
+                "num_preemptions": self.scheduler.num_preemptions_total,
+                "computed_tokens": self._num_computed_tokens,
+            },
+            "kv_cache": {
+                "num_blocks": kv.num_blocks,
+                "num_free_blocks": kv.num_free_blocks,
+                "num_cached_blocks": kv.pool.num_cached_blocks,
+                "evicted_blocks": kv.pool.num_evicted_blocks,
+                "usage": kv.usage,
+                "block_bytes": kv.spec.bytes_per_block,
+            },
+            "state_slots": {
+                "num_slots": self.scheduler.state_pool.num_slots,
+                "num_free": self.scheduler.state_pool.num_free,
+            },
+        }
+        pc = self.prefix_cache
+        if pc is not None:
+            stats = dataclasses.asdict(pc.stats)
+            stats["hit_rate"] = pc.stats.hit_tokens / pc.stats.queried_tokens if pc.stats.queried_tokens else 0.0
+            stats["checkpoint_interval"] = pc.checkpoint_interval
+            metrics["prefix_cache"] = stats
+            cps = pc.checkpoints
+            metrics["checkpoints"] = {
+                "filed": dict(cps.stats.filed),
+                "evicted": dict(cps.stats.evicted),
+                "declined_no_units": cps.stats.declined_no_units,
+                "num_checkpoints": cps.num_checkpoints,
+                "num_pinned": cps.num_pinned,
+                "capacity": cps.capacity,
+                "bytes_in_use": cps.bytes_in_use,
+                "image_bytes": cps.image_bytes,
+                "unit_bytes": cps.unit_bytes,
+                "units_per_checkpoint": cps.units_per_checkpoint,
+                "num_units": cps.num_units,
+            }
+        return metrics
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
