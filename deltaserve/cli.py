@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `generate`, `make-model` and `bench cache-sim`."""
+"""The `deltaserve` command: `generate`, `serve`, `make-model` and `bench cache-sim`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--cache-memory", dict(default=None, help="bytes for KV cache + state pool, e.g. 2GiB")),
     ("--gpu-memory-utilization", dict(type=float, default=EngineConfig.gpu_memory_utilization)),
     ("--enforce-eager", dict(action="store_true")),
+    ("--max-logprobs", dict(type=int, default=EngineConfig.max_logprobs,
+                            help="the most logprobs a request may ask for per token")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="cache KV blocks and KDA state checkpoints across requests")),
     ("--state-checkpoint-interval", dict(type=int, default=None,
@@ -67,6 +69,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from deltaserve.entrypoints.launcher import ServeOptions, serve
+
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("DELTASERVE_API_KEY") or None,
+        served_model_name=args.served_model_name,
+        api_server_count=args.api_server_count,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_body_bytes=args.max_request_body_bytes,
+        log_stats_interval_s=args.log_stats_interval,
+        log_level=args.log_level,
+    )
+    config = EngineConfig(model=args.model, seed=args.seed, **engine_options(args))
+    return serve(config, options)
+
+
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from deltaserve.model_files.make_model import make_model
 
@@ -77,7 +99,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve hybrid linear-attention LLMs.")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="DEBUG | INFO | WARNING (default: INFO for serve)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the completion")
@@ -93,6 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_arguments(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port; the log says which)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $DELTASERVE_API_KEY)")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="the name(s) clients use in 'model' (default: the --model path, or deltaserve-tiny)")
+    srv.add_argument("--api-server-count", type=int, default=1, help="HTTP front-end processes")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds open requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20)
+    srv.add_argument("--log-stats-interval", type=float, default=5.0,
+                     help="seconds between throughput/cache log lines while busy (0: off)")
+    srv.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(srv)
+    srv.set_defaults(func=_cmd_serve)
 
     make = sub.add_parser("make-model", help="write a random-weight Kimi Linear checkpoint")
     make.add_argument("--preset", required=True, help="tiny | small | kimi-linear-48b-a3b")
@@ -120,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         cache_sim_main(argv[2:])
         return 0
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level is None:
+        args.log_level = "INFO" if args.command == "serve" else "WARNING"
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:

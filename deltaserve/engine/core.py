@@ -26,7 +26,6 @@ from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.state_pool import StateSlotPool
-from deltaserve.executor.uniproc import UniProcExecutor
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.runner_output import TokenLogprobs
 
@@ -98,6 +97,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self._arrivals = itertools.count()
+        from deltaserve.executor.uniproc import UniProcExecutor  # torch and the model: only where the core runs
+
         self.executor = UniProcExecutor(config, model_config, model_dir, model)
         kv_spec, state_spec = self.executor.cache_specs()
         caching = config.enable_prefix_caching

@@ -6,9 +6,14 @@ import os
 import shutil
 import tempfile
 
-from deltaserve.model_files.make_model import make_model
-
 CACHE_ENV = "DELTASERVE_CACHE"
+
+
+def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
+    """`make_model.make_model`, imported on first use: finding the cached model needs no torch."""
+    from deltaserve.model_files import make_model as maker
+
+    return maker.make_model(preset, out_dir, seed=seed)
 
 
 def cache_root() -> str:

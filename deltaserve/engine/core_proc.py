@@ -1,0 +1,189 @@
+"""The engine-core process: an `EngineCore` stepping in a loop, fed over ZeroMQ by the API front ends.
+
+One ROUTER socket serves every front end (each connects a DEALER). Messages are pickled tuples
+between processes of one server on one host:
+
+    front end -> core: ("add", EngineCoreRequest) | ("abort", [ids]) | ("stop", [ids])
+                       | ("call", call_id, name)      name: "metrics_text" | "stats" | "ping"
+    core -> front end: ("outputs", [EngineCoreOutput]) | ("error", request_id, message)
+                       | ("reply", call_id, result)
+
+"stop" finishes requests whose stop string a front end found (their state is filed for prefix
+caching); "abort" frees everything a request holds. The loop drains every message before each step,
+so an abort lands before the next schedule.
+
+SIGTERM ends the loop after the current step; SIGINT is ignored (the launcher that owns this process
+decides when it stops, after the front ends have drained). If the launcher dies, so does this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from deltaserve.config.engine_config import EngineConfig
+from deltaserve.core.request import RequestStatus
+from deltaserve.engine.core import EngineCore, EngineCoreRequest
+from deltaserve.engine.processor import ModelInfo
+from deltaserve.metrics.prometheus import EngineMetrics
+from deltaserve.metrics.stats_logger import StatsLogger
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 100
+
+
+@dataclass
+class CoreReady:
+    """What the core reports once its model and caches are up."""
+
+    model_dir: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    num_state_slots: int
+    num_checkpoint_units: int
+    checkpoint_unit_bytes: int
+    cache_bytes: int
+    device: str
+    dtype: str
+
+
+class EngineCoreProc:
+    """Owns the socket and the loop; `run()` returns when told to stop."""
+
+    def __init__(self, config: EngineConfig, address: str, served_model_name: str,
+                 log_stats_interval_s: float = 5.0) -> None:
+        info = ModelInfo.load(config)
+        self.core = EngineCore(config, info.model_dir, info.model_config, info.max_model_len, info.eos_token_ids)
+        plan = self.core.cache_plan
+        worker = self.core.executor.worker
+        self.ready = CoreReady(
+            info.model_dir, info.max_model_len, plan.num_blocks, config.block_size, plan.num_state_slots,
+            plan.num_checkpoint_units, plan.checkpoint_unit_bytes, plan.total_bytes,
+            str(worker.device), str(worker.dtype).removeprefix("torch."),
+        )
+        self.metrics = EngineMetrics(served_model_name, info.max_model_len)
+        self.stats_logger = StatsLogger(log_stats_interval_s) if log_stats_interval_s > 0 else None
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self._owners: dict[str, bytes] = {}  # request id -> the front end that sent it
+        self._stopping = False
+
+    def request_stop(self, *_: Any) -> None:
+        self._stopping = True
+
+    # Messages --------------------------------------------------------------------------------
+    def _send(self, identity: bytes, message: tuple) -> None:
+        self.socket.send_multipart([identity, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)])
+
+    def _handle(self, identity: bytes, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            request: EngineCoreRequest = message[1]
+            try:
+                self.core.add_request(request)
+            except ValueError as e:
+                self._send(identity, ("error", request.request_id, str(e)))
+                return
+            self._owners[request.request_id] = identity
+        elif kind in ("abort", "stop"):
+            ids = [rid for rid in message[1] if self._owners.pop(rid, None) is not None]
+            status = RequestStatus.FINISHED_ABORTED if kind == "abort" else RequestStatus.FINISHED_STOPPED
+            self.core.finish_requests(ids, status)
+            if kind == "abort":
+                self.metrics.record_aborts(len(ids))
+        elif kind == "call":
+            _, call_id, name = message
+            self._send(identity, ("reply", call_id, self._call(name)))
+        else:
+            logger.warning("engine core: unknown message %r ignored", kind)
+
+    def _call(self, name: str) -> Any:
+        if name == "ping":
+            return "pong"
+        if name == "stats":
+            return self.core.get_metrics()
+        if name == "metrics_text":
+            self.metrics.record(None, self.core.get_metrics())
+            return self.metrics.exposition()
+        return None
+
+    def _drain(self, timeout_ms: int) -> None:
+        while self.socket.poll(timeout_ms):
+            identity, payload = self.socket.recv_multipart()
+            self._handle(identity, pickle.loads(payload))
+            timeout_ms = 0
+
+    # The loop --------------------------------------------------------------------------------
+    def run(self, parent_pid: int | None = None) -> None:
+        while not self._stopping:
+            busy = self.core.has_unfinished_requests()
+            self._drain(0 if busy else _IDLE_POLL_MS)
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.error("engine core: the launcher is gone; exiting")
+                break
+            if not self.core.has_unfinished_requests():
+                self._maybe_log()
+                continue
+            outputs, stats = self.core.step()
+            snapshot = self.core.get_metrics()
+            self.metrics.record(stats, snapshot)
+            if self.stats_logger is not None:
+                self.stats_logger.record(stats)
+            by_owner: dict[bytes, list] = defaultdict(list)
+            for out in outputs:
+                identity = self._owners.get(out.request_id)
+                if identity is None:
+                    continue
+                by_owner[identity].append(out)
+                if out.finish_reason is not None:
+                    del self._owners[out.request_id]
+            for identity, outs in by_owner.items():
+                self._send(identity, ("outputs", outs))
+            self._maybe_log(snapshot)
+        self.shutdown()
+
+    def _maybe_log(self, snapshot: dict[str, Any] | None = None) -> None:
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(snapshot or self.core.get_metrics())
+
+    def shutdown(self) -> None:
+        live = list(self._owners)
+        if live:
+            logger.info("engine core: aborting %d unfinished request(s) at shutdown", len(live))
+            self.core.finish_requests(live)
+        self._owners.clear()
+        self.socket.close(0)
+        self.context.term()
+        self.core.shutdown()
+
+
+def run_engine_core(config: EngineConfig, address: str, served_model_name: str, log_stats_interval_s: float,
+                    ready_pipe: Any, log_level: str = "INFO") -> None:
+    """Process entry point: build the core, report `CoreReady` (or the error) on `ready_pipe`, loop."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_pid = os.getppid()
+    try:
+        proc = EngineCoreProc(config, address, served_model_name, log_stats_interval_s)
+    except Exception as e:  # report why startup failed to the launcher, which prints it
+        ready_pipe.send(("error", f"{type(e).__name__}: {e}"))
+        ready_pipe.close()
+        raise SystemExit(1) from e
+    signal.signal(signal.SIGTERM, proc.request_stop)
+    ready_pipe.send(("ready", proc.ready))
+    ready_pipe.close()
+    started = time.monotonic()
+    proc.run(parent_pid)
+    logger.info("engine core: stopped after %.0f s", time.monotonic() - started)

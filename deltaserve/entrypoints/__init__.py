@@ -1,0 +1,1 @@
+"""Entrypoints that put the engine behind a network API."""

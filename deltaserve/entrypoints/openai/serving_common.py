@@ -1,0 +1,234 @@
+"""What the completions and chat handlers share: model names, fan-out of prompts x n into engine
+requests, merging their output streams, disconnect handling, token budgets and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from deltaserve.engine.async_llm import AsyncLLM, EngineDeadError
+from deltaserve.engine.core import EngineCoreRequest
+from deltaserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from deltaserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from deltaserve.outputs import RequestOutput
+from deltaserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs: the engine client and the names it answers to."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    max_logprobs: int
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The name to echo back; None means the first served name. Unknown names are a 404."""
+        if requested is None or requested in self.served_model_names:
+            return requested or self.served_model_names[0]
+        raise OpenAIError(f"The model `{requested}` does not exist.", 404, param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """None is the room left in the context; more than that room is refused, naming the numbers."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for the completion. Shorten the prompt.",
+            400, param="prompt", code="context_length_exceeded",
+        )
+    if requested is None:
+        return room
+    if requested > room:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
+            f"completion). Reduce the prompt or max_tokens.",
+            400, param="max_tokens", code="context_length_exceeded",
+        )
+    return requested
+
+
+def plan_sub_requests(
+    ctx: ServingContext, base_id: str, prompts: list[str | list[int]], params: SamplingParams, n: int,
+    requested_max_tokens: int | None, arrival_time: float, prompt_param: str = "prompt",
+) -> list[tuple[int, str | None, EngineCoreRequest]]:
+    """Tokenize and validate every prompt, then fan out n samples of each. Raises OpenAIError (400)
+    naming the field before anything reaches the engine. Returns (choice index, prompt text, request).
+
+    With a seed, sample i of a prompt uses seed + i, so n > 1 gives n different, reproducible samples.
+    """
+    planned = []
+    for p_index, prompt in enumerate(prompts):
+        try:
+            text, core = ctx.engine.process_input(f"{base_id}-{p_index}", prompt, params, arrival_time)
+        except ValueError as e:
+            err = from_value_error(e, prompt_param)
+            if err.param in ("prompt", "prompt_token_ids"):
+                err.param = prompt_param
+            if len(prompts) > 1:
+                err.message = f"{prompt_param}[{p_index}]: {err.message}"
+            raise err from e
+        max_tokens = resolve_max_tokens(requested_max_tokens, len(core.prompt_token_ids), ctx.engine.max_model_len)
+        for sample in range(n):
+            seed = None if params.seed is None else params.seed + sample
+            sub_params = dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
+            sub = EngineCoreRequest(
+                f"{base_id}-{p_index}-{sample}", core.prompt_token_ids, sub_params, max_tokens, arrival_time
+            )
+            planned.append((p_index * n + sample, text, sub))
+    return planned
+
+
+async def stream_outputs(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every sub-request and yield (choice index, cumulative output) as outputs arrive.
+
+    Leaving early (disconnect, cancellation) closes every generator, which aborts what is unfinished.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: int, text: str | None, core: EngineCoreRequest) -> None:
+        gen = ctx.engine.generate(core.request_id, _prompt_of(text, core), core.params, core.arrival_time)
+        try:
+            async with contextlib.aclosing(gen):
+                async for output in gen:
+                    queue.put_nowait((choice, output))
+        except Exception as e:  # hand it to the consumer, which raises it
+            queue.put_nowait((choice, e))
+        finally:
+            queue.put_nowait((choice, done))
+
+    tasks = [asyncio.create_task(pump(*item)) for item in planned]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            choice, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise _as_openai_error(item)
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _prompt_of(text: str | None, core: EngineCoreRequest) -> dict[str, Any]:
+    return {"prompt_token_ids": core.prompt_token_ids, "prompt": text}
+
+
+def _as_openai_error(e: Exception) -> Exception:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(f"the engine is not available: {e}", 503, type_="service_unavailable")
+    if isinstance(e, ValueError):
+        return from_value_error(e)
+    return e
+
+
+@dataclass
+class Delta:
+    """What is new in one choice since the last delta: text, token ids and their logprob entries."""
+
+    choice: int
+    output: RequestOutput
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    first: bool
+
+
+async def stream_deltas(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
+                        finals: dict[int, RequestOutput]) -> AsyncIterator[Delta]:
+    """`stream_outputs` as per-choice deltas; each choice's final output is also put in `finals`."""
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    async for choice, output in stream_outputs(ctx, planned):
+        completion = output.outputs[0]
+        first = choice not in sent_text
+        text = completion.text[sent_text.get(choice, 0):]
+        start = sent_tokens.get(choice, 0)
+        sent_text[choice], sent_tokens[choice] = len(completion.text), len(completion.token_ids)
+        if output.finished:
+            finals[choice] = output
+        logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
+        yield Delta(choice, output, text, completion.token_ids[start:], logprobs, first)
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event carrying a pydantic model."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+async def collect_outputs(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
+                          ) -> dict[int, RequestOutput]:
+    """Run every sub-request to its end; the final output of each choice."""
+    final: dict[int, RequestOutput] = {}
+    async for choice, output in stream_outputs(ctx, planned):
+        if output.finished:
+            final[choice] = output
+    return final
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work()` (a non-streaming handler body) unless the client leaves first; then cancel it,
+    which aborts its engine requests, and answer nothing (there is no one left to answer)."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise OpenAIError("client disconnected", 499)
+    return task.result()
+
+
+def make_usage(finals: dict[int, RequestOutput], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per sample); cached tokens are the best of its samples."""
+    prompt_tokens = cached = completion = 0
+    by_prompt: dict[int, list[RequestOutput]] = {}
+    for choice, output in finals.items():
+        by_prompt.setdefault(choice // n, []).append(output)
+        completion += len(output.outputs[0].token_ids)
+    for outputs in by_prompt.values():
+        prompt_tokens += len(outputs[0].prompt_token_ids)
+        cached += max(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def now_s() -> int:
+    return int(time.time())

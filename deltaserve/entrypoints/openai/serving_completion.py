@@ -1,0 +1,137 @@
+"""POST /v1/completions: one or several prompts (text or token ids), n samples each, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deltaserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from deltaserve.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from deltaserve.entrypoints.openai.serving_common import (
+    ServingContext,
+    cancel_on_disconnect,
+    collect_outputs,
+    make_usage,
+    new_id,
+    now_s,
+    plan_sub_requests,
+    sse,
+    stream_deltas,
+)
+from deltaserve.outputs import Logprob, RequestOutput
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A string or a flat list of ids is one prompt; a list of strings or of id lists is several."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], text_offset: int,
+                        ) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's legacy logprobs for these tokens: each sampled token's text and logprob, the top
+    alternatives by text, and each token's character offset. Returns them and the next offset."""
+    result = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob)
+        result.text_offset.append(text_offset)
+        result.top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        text_offset += len(token)
+    return result, text_offset
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def __call__(self, body: CompletionRequest, raw_request: Request):
+        model = self.ctx.resolve_model(body.model)
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError("echo with logprobs needs prompt logprobs, which are not supported yet", 400,
+                              param="echo")
+        try:
+            params = body.to_sampling_params(None, self.ctx.max_logprobs)
+        except ValueError as e:
+            raise from_value_error(e) from e
+        request_id = new_id("cmpl")
+        prompts = _prompt_list(body.prompt)
+        planned = plan_sub_requests(self.ctx, request_id, prompts, params, body.n, body.max_tokens, time.time())
+        echo_texts = {}
+        if body.echo:
+            tokenizer = self.ctx.engine.tokenizer
+            for choice, text, core in planned:
+                if text is None and tokenizer is not None:
+                    text = tokenizer.decode(core.prompt_token_ids)
+                echo_texts[choice] = text or ""
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(request_id, model, planned, body.n, echo_texts, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+
+        async def work() -> CompletionResponse:
+            finals = await collect_outputs(self.ctx, planned)
+            return self._response(request_id, model, finals, body.n, echo_texts, body.logprobs is not None)
+
+        response = await cancel_on_disconnect(raw_request, work)
+        return JSONResponse(response.model_dump())
+
+    def _response(self, request_id: str, model: str, finals: dict[int, RequestOutput], n: int,
+                  echo_texts: dict[int, str], with_logprobs: bool) -> CompletionResponse:
+        choices = []
+        for choice in sorted(finals):
+            completion = finals[choice].outputs[0]
+            prefix = echo_texts.get(choice, "")
+            logprobs = None
+            if with_logprobs:
+                logprobs, _ = completion_logprobs(completion.logprobs or [], completion.token_ids, len(prefix))
+            choices.append(CompletionResponseChoice(
+                index=choice, text=prefix + completion.text, logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            ))
+        return CompletionResponse(id=request_id, created=now_s(), model=model, choices=choices,
+                                  usage=make_usage(finals, n))
+
+    async def _stream(self, request_id: str, model: str, planned: list, n: int, echo_texts: dict[int, str],
+                      include_usage: bool) -> AsyncIterator[str]:
+        created = now_s()
+        offsets: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for d in stream_deltas(self.ctx, planned, finals):
+                completion = d.output.outputs[0]
+                text = d.text
+                if d.first:
+                    text = echo_texts.get(d.choice, "") + text
+                    offsets[d.choice] = len(echo_texts.get(d.choice, ""))
+                logprobs = None
+                if d.logprobs is not None:
+                    logprobs, offsets[d.choice] = completion_logprobs(d.logprobs, d.token_ids, offsets[d.choice])
+                if not text and not d.output.finished and logprobs is None:
+                    continue
+                choice = CompletionResponseChoice(
+                    index=d.choice, text=text, logprobs=logprobs,
+                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                )
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
+            if include_usage:
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                   usage=make_usage(finals, n)))
+        except OpenAIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"

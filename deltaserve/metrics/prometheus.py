@@ -1,0 +1,141 @@
+"""Prometheus series of the engine core, named as vLLM's are where a counterpart exists.
+
+They live in the engine-core process, the one place that sees every request whichever API front
+end it came through; a front end's GET /metrics asks the core for `exposition()`. Counters the core
+keeps as running totals (prefix-cache queries, checkpoints filed) are turned into increments here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deltaserve.engine.core import IterationStats
+
+PREFIX = "deltaserve:"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * scale
+            if value > max_model_len:
+                return tuple(buckets)
+            buckets.append(float(value))
+        scale *= 10
+
+
+class EngineMetrics:
+    """Every series the engine core exports; `record()` once per step, `exposition()` per scrape."""
+
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self._model = model_name
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1).")
+        self.state_slot_usage = gauge("state_slot_usage_perc", "Fraction of KDA state slots in use (0 to 1).")
+        self.checkpoints = gauge("state_checkpoints", "KDA state checkpoints held by the prefix cache.")
+        self.checkpoints_pinned = gauge("state_checkpoints_pinned",
+                                        "KDA state checkpoints held by a request that is loading them.")
+        self.checkpoint_usage = gauge("state_checkpoint_usage_perc",
+                                      "Fraction of state checkpoint units holding a checkpoint (0 to 1).")
+        self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.computed_tokens = counter("computed_tokens", "Tokens run through the model (prefill and decode).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.aborted = counter("request_aborted", "Requests aborted (client gone, or cancelled).")
+        self._success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._filed = Counter(PREFIX + "state_checkpoints_filed", "KDA state checkpoints filed, by kind.",
+                              ["model_name", "kind"], registry=r)
+        self._evicted = Counter(PREFIX + "state_checkpoints_evicted", "KDA state checkpoints evicted, by kind.",
+                                ["model_name", "kind"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _E2E_BUCKETS)
+        tokens = _token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.",
+                                               tokens)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens generated by finished requests.", tokens)
+        self._last_totals: dict[str, float] = {}
+
+    def _increment(self, key: str, counter: Any, total: float) -> None:
+        """Counters the core keeps as running totals: add what is new since the last call."""
+        delta = total - self._last_totals.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_totals[key] = total
+
+    def record(self, stats: IterationStats | None, snapshot: dict[str, Any]) -> None:
+        """Apply one step's stats and the core's current `get_metrics()` snapshot."""
+        if stats is not None:
+            if stats.num_prompt_tokens:
+                self.prompt_tokens.inc(stats.num_prompt_tokens)
+            if stats.num_generation_tokens:
+                self.generation_tokens.inc(stats.num_generation_tokens)
+            if stats.num_computed_tokens:
+                self.computed_tokens.inc(stats.num_computed_tokens)
+            for value in stats.time_to_first_tokens:
+                self.ttft.observe(value)
+            for value in stats.inter_token_latencies:
+                self.itl.observe(value)
+            for done in stats.finished:
+                self._success.labels(self._model, done.finish_reason).inc()
+                self.e2e.observe(done.e2e_latency)
+                self.queue_time.observe(done.queue_time)
+                self.request_prompt_tokens.observe(done.num_prompt_tokens)
+                self.request_generation_tokens.observe(done.num_generation_tokens)
+        sched, kv, slots = snapshot["scheduler"], snapshot["kv_cache"], snapshot["state_slots"]
+        self.num_requests_running.set(sched["num_running"])
+        self.num_requests_waiting.set(sched["num_waiting"])
+        self.kv_cache_usage.set(kv["usage"])
+        self.state_slot_usage.set(1.0 - slots["num_free"] / slots["num_slots"] if slots["num_slots"] else 0.0)
+        self._increment("preemptions", self.preemptions, sched["num_preemptions"])
+        prefix = snapshot.get("prefix_cache")
+        if prefix is not None:
+            self._increment("queries", self.prefix_queries, prefix["queried_tokens"])
+            self._increment("hits", self.prefix_hits, prefix["hit_tokens"])
+        cps = snapshot.get("checkpoints")
+        if cps is not None:
+            self.checkpoints.set(cps["num_checkpoints"])
+            self.checkpoints_pinned.set(cps["num_pinned"])
+            self.checkpoint_usage.set(cps["num_checkpoints"] / cps["capacity"] if cps["capacity"] else 0.0)
+            for kind, total in cps["filed"].items():
+                self._increment(f"filed:{kind}", self._filed.labels(self._model, str(kind)), total)
+            for kind, total in cps["evicted"].items():
+                self._increment(f"evicted:{kind}", self._evicted.labels(self._model, str(kind)), total)
+
+    def record_aborts(self, count: int) -> None:
+        if count:
+            self.aborted.inc(count)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""A real `deltaserve serve` on loopback, started by a test: its own process tree, any free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+_READY = re.compile(r"ready on (http://[^\s]+)")
+
+
+class RemoteServer:
+    """`deltaserve serve --port 0 ARGS...`; `url` once it answers /health."""
+
+    def __init__(self, *args: str, startup_timeout_s: float = 120.0, api_key: str | None = None) -> None:
+        self.args = ["--port", "0", "--cache-memory", "64MiB", "--max-model-len", "1024", "--log-stats-interval",
+                     "1", *args]
+        self.api_key = api_key
+        self.startup_timeout_s = startup_timeout_s
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._ready = threading.Event()
+
+    def __enter__(self) -> RemoteServer:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deltaserve.cli", "serve", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if not self._ready.wait(self.startup_timeout_s) or self.url is None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + self.log)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server never became healthy:\n" + self.log)
+
+    def _read_log(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            match = _READY.search(line)
+            if match and self.url is None:
+                self.url = match.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def async_client(self, **kwargs) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=kwargs.pop("timeout", 60),
+                                 **kwargs)
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, as a process manager would; the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """GET /metrics, parsed by prometheus_client: {sample name + labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
