@@ -61,3 +61,26 @@ def test_make_model_then_generate(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "abc", "--model", out, "--max-tokens", "5", "--cache-memory", "64MiB"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--api-server-count", "0"], "api_server_count"),
+    (["--port", "70000"], "port"),
+    (["--shutdown-timeout", "-1"], "shutdown_timeout"),
+])
+def test_serve_option_errors_name_the_field(args, field, capsys):
+    assert main(["serve", *args]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port), "--cache-memory", "64MiB"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr

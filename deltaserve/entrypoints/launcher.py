@@ -4,11 +4,11 @@
       |- engine core process      ROUTER socket at ipc://<tmp>/core.sock, the model and caches
       |- API front end 0..N-1     uvicorn on one shared listening socket, DEALER to the core
 
-The launcher binds the listening socket itself (so `--port 0` works and every front end accepts on
-the same port), starts the core and waits for its `CoreReady`, then starts the front ends. SIGTERM or
-SIGINT: the front ends stop accepting and drain (open requests finish, or are cancelled after
-`--shutdown-timeout`, which aborts them in the core); then the core stops; exit 0. If any child dies
-on its own, everything stops and the exit code is 1.
+The launcher binds the listening socket first (so a taken port fails at once, `--port 0` works, and
+every front end accepts on the same port), starts the core and waits for its `CoreReady`, then
+starts the front ends. SIGTERM or SIGINT: the front ends stop accepting and drain (open requests
+finish, or are cancelled after `--shutdown-timeout`, which aborts them in the core); then the core
+stops; exit 0. If any child dies on its own, everything stops and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Server:
     def start_frontends(self, ready: CoreReady) -> None:
         opts = self.options
         names = opts.served_model_name or [self.engine_config.model or "deltaserve-tiny"]
-        self.sock = _bind(opts.host, opts.port)
+        assert self.sock is not None
         for index in range(opts.api_server_count):
             settings = FrontendSettings(
                 engine_config=self.engine_config, engine_address=self.address, served_model_names=names,
@@ -133,6 +133,7 @@ class Server:
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         code = 0
         try:
+            self.sock = _bind(self.options.host, self.options.port)  # fail fast, before loading the model
             ready = self.start_core()
             self.start_frontends(ready)
             self._log_startup(ready)
