@@ -151,3 +151,8 @@ def test_api_key_is_required_when_set(two_frontend_server):
     with two_frontend_server.client() as client:
         ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})  # model left out: the default
         assert ok.status_code == 200 and ok.json()["model"] == "deltaserve-tiny"
+
+
+def test_too_many_choices_in_one_request(http):
+    error = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["a"] * 20, "n": 100}), 400)
+    assert error["param"] == "prompt" and "2000 completions" in error["message"]

@@ -98,7 +98,7 @@ class ChatHandler:
             raise from_value_error(e) from e
         prompt = render_chat(self.ctx.engine.tokenizer, body)
         request_id = new_id("chatcmpl")
-        planned = plan_sub_requests(self.ctx, request_id, [prompt], params, body.n, body.requested_max_tokens,
+        planned = await plan_sub_requests(self.ctx, request_id, [prompt], params, body.n, body.requested_max_tokens,
                                     time.time(), prompt_param="messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else -1
         if body.stream:

@@ -64,7 +64,11 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
-def plan_sub_requests(
+MAX_CHOICES_PER_REQUEST = 1024
+_TOKENIZE_IN_THREAD_CHARS = 8192  # longer prompts are tokenized off the event loop
+
+
+async def plan_sub_requests(
     ctx: ServingContext, base_id: str, prompts: list[str | list[int]], params: SamplingParams, n: int,
     requested_max_tokens: int | None, arrival_time: float, prompt_param: str = "prompt",
 ) -> list[tuple[int, str | None, EngineCoreRequest]]:
@@ -73,10 +77,19 @@ def plan_sub_requests(
 
     With a seed, sample i of a prompt uses seed + i, so n > 1 gives n different, reproducible samples.
     """
+    if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
+        raise OpenAIError(
+            f"{prompt_param}: {len(prompts)} prompts x n={n} asks for {len(prompts) * n} completions; at most "
+            f"{MAX_CHOICES_PER_REQUEST} per request", 400, param=prompt_param,
+        )
     planned = []
     for p_index, prompt in enumerate(prompts):
+        args = (f"{base_id}-{p_index}", prompt, params, arrival_time)
         try:
-            text, core = ctx.engine.process_input(f"{base_id}-{p_index}", prompt, params, arrival_time)
+            if isinstance(prompt, str) and len(prompt) > _TOKENIZE_IN_THREAD_CHARS:
+                text, core = await asyncio.to_thread(ctx.engine.process_input, *args)
+            else:
+                text, core = ctx.engine.process_input(*args)
         except ValueError as e:
             err = from_value_error(e, prompt_param)
             if err.param in ("prompt", "prompt_token_ids"):

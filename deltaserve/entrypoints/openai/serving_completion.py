@@ -71,7 +71,7 @@ class CompletionHandler:
             raise from_value_error(e) from e
         request_id = new_id("cmpl")
         prompts = _prompt_list(body.prompt)
-        planned = plan_sub_requests(self.ctx, request_id, prompts, params, body.n, body.max_tokens, time.time())
+        planned = await plan_sub_requests(self.ctx, request_id, prompts, params, body.n, body.max_tokens, time.time())
         echo_texts = {}
         if body.echo:
             tokenizer = self.ctx.engine.tokenizer
