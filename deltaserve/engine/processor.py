@@ -15,6 +15,7 @@ from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.engine.core import EngineCoreRequest
 from deltaserve.model_files.embedded import embedded_model_dir
+from deltaserve.model_files.random_model import random_model_config, random_model_tokenizer, random_preset_name
 from deltaserve.model_files.tokenizer import load_tokenizer
 from deltaserve.sampling_params import SamplingParams
 
@@ -34,8 +35,13 @@ class ModelInfo:
     @classmethod
     def load(cls, config: EngineConfig) -> ModelInfo:
         model_dir = config.model or embedded_model_dir()
-        model_config = KimiLinearConfig.from_pretrained(model_dir)
-        tokenizer = load_tokenizer(config.tokenizer or model_dir, config.trust_remote_code)
+        if random_preset_name(model_dir) is not None:  # random:<preset>, built in memory by the worker
+            model_config = random_model_config(model_dir)
+            tokenizer = (load_tokenizer(config.tokenizer, config.trust_remote_code) if config.tokenizer
+                         else random_model_tokenizer(model_config))
+        else:
+            model_config = KimiLinearConfig.from_pretrained(model_dir)
+            tokenizer = load_tokenizer(config.tokenizer or model_dir, config.trust_remote_code)
         model_max = model_config.max_position_embeddings
         max_model_len = model_max if config.max_model_len is None else config.max_model_len
         if max_model_len > model_max:

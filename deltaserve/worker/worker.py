@@ -13,6 +13,7 @@ from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
+from deltaserve.model_files.random_model import build_random_model, random_preset_name
 from deltaserve.worker.model_runner import ModelRunner
 from deltaserve.worker.runner_output import ModelRunnerOutput
 from deltaserve.worker.state_store import StateCheckpointStore
@@ -48,7 +49,10 @@ class Worker:
     # Setup -----------------------------------------------------------------------------------
     def load_model(self, model: KimiLinearForCausalLM | None = None) -> None:
         """Load from the checkpoint directory, or adopt an already built model (random weights in memory)."""
-        if model is None:
+        if model is None and random_preset_name(self.model_dir) is not None:
+            model = build_random_model(self.model_config, self.parallel, self.dtype, self.device,
+                                       self.engine_config.seed)
+        elif model is None:
             model = load_model_from_dir(self.model_dir, self.model_config, self.parallel, self.dtype, self.device)
         self.model = model
         self.runner = ModelRunner(model, self.engine_config.block_size, self.device)
