@@ -16,7 +16,8 @@ from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear
 from deltaserve.model.layers.norm import RMSNorm
-from deltaserve.ops.mla import attention_expanded, gather_latents, paged_mla_decode, write_latents
+from deltaserve.ops.mla import gather_latents, paged_mla_decode, write_latents
+from deltaserve.ops.mla.prefill import attention_prefill
 
 # transformers builds kv_a_layernorm and q_a_layernorm with its RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -88,5 +89,5 @@ class MultiheadLatentAttention(nn.Module):
             kv = self.kv_b_proj(c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
-            out[rows] = attention_expanded(q[rows], k, v, self.scale, seq.num_context_tokens)
+            out[rows] = attention_prefill(q[rows], k, v, self.scale, seq.num_context_tokens)
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
