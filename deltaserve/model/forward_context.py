@@ -44,6 +44,9 @@ class ForwardContext:
     prefill_state_slots: torch.Tensor  # [P] long
     prefill_has_initial_state: torch.Tensor  # [P] bool
     prefill_sequences: tuple[PrefillSequence, ...]
+    # an upper bound on decode_seq_lens known on the host (CUDA graphs: the model's context), so the MLA
+    # decode kernel picks its split count without reading seq_lens back; None: the kernel finds it
+    decode_max_seq_len: int | None = None
 
     @property
     def num_prefills(self) -> int:

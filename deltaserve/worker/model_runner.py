@@ -15,6 +15,7 @@ from deltaserve.model.forward_context import ForwardContext, PrefillSequence, se
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.sample.sampler import Sampler, SamplingMetadata, step_seed
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.runner_output import ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.state_store import StateCheckpointStore
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_params: dict[str, SamplingParams] = {}
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
+        self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Flatten the step. Host-side work only; one transfer per tensor."""
@@ -106,13 +108,18 @@ class ModelRunner:
             return ModelRunnerOutput()
 
         step = self.prepare(scheduler_output)
-        with set_forward_context(step.context):
-            hidden = self.model(step.input_ids)
+        ctx = step.context
+        graphs = self.decode_graphs
+        if graphs is not None and ctx.num_prefills == 0 and graphs.graph_size(ctx.num_decodes) is not None:
+            logits = graphs.run(step.input_ids, ctx)[step.sample_rows]  # every decode samples
+        else:
+            with set_forward_context(ctx):
+                hidden = self.model(step.input_ids)
+            logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sample_chunks else None
         if self.state_store is not None:
             self.state_store.after_forward(scheduler_output)
         if not step.sample_chunks:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[step.sample_rows])
         params = [self.sampling_params[c.request_id] for c in step.sample_chunks]
         seeds = [
             None if p.seed is None else step_seed(p.seed, c.num_output_tokens)

@@ -14,6 +14,7 @@ from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
+from deltaserve.worker.cuda_graph import DecodeGraphs, capture_sizes
 from deltaserve.worker.model_runner import ModelRunner
 from deltaserve.worker.runner_output import ModelRunnerOutput
 from deltaserve.worker.state_store import StateCheckpointStore
@@ -96,25 +97,36 @@ class Worker:
         return int(budget - torch.cuda.memory_allocated(self.device) - activations)
 
     def initialize_cache(self, plan: CachePlan) -> None:
-        """Allocate the paged latent caches and the KDA state pool, and bind them to the layers."""
+        """Allocate the paged latent caches and the KDA state pool, and bind them to the layers.
+
+        One block and one state slot more than the plan are allocated, past the scheduler's ids: the
+        scratch rows that CUDA-graph padding writes to.
+        """
         assert self.model is not None
         bs = self.engine_config.block_size
+        num_blocks, num_slots = plan.num_blocks + 1, plan.num_state_slots + 1
         with torch.device(self.device):
             for layer in self.model.mla_layers():
-                layer.bind_cache(torch.zeros(plan.num_blocks, bs, self.model_config.latent_dim, dtype=self.dtype))
+                layer.bind_cache(torch.zeros(num_blocks, bs, self.model_config.latent_dim, dtype=self.dtype))
             for layer in self.model.kda_layers():
-                conv = torch.zeros(
-                    plan.num_state_slots, 3 * layer.local_dim, layer.conv_width - 1, dtype=self.dtype
-                )
-                rec = torch.zeros(
-                    plan.num_state_slots, layer.num_heads, layer.head_dim, layer.head_dim, dtype=torch.float32
-                )
+                conv = torch.zeros(num_slots, 3 * layer.local_dim, layer.conv_width - 1, dtype=self.dtype)
+                rec = torch.zeros(num_slots, layer.num_heads, layer.head_dim, layer.head_dim, dtype=torch.float32)
                 layer.bind_state(conv, rec)
         if plan.num_checkpoint_units:
             tensors = [t for layer in self.model.kda_layers() for t in (layer.conv_state, layer.recurrent_state)]
             store = StateCheckpointStore(tensors, plan.num_checkpoint_units, plan.checkpoint_unit_bytes)
             assert self.runner is not None
             self.runner.state_store = store
+        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+            self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
+
+    def _capture_decode_graphs(self, pad_block: int, pad_state_slot: int) -> None:
+        assert self.model is not None and self.runner is not None
+        cfg = self.engine_config
+        max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        graphs = DecodeGraphs(self.model, self.device, cfg.block_size, max_model_len, pad_block, pad_state_slot)
+        if graphs.capture(capture_sizes(cfg.max_num_seqs)):
+            self.runner.decode_graphs = graphs
 
     # Steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

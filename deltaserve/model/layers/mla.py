@@ -79,7 +79,7 @@ class MultiheadLatentAttention(nn.Module):
             q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
             o_latent, _ = paged_mla_decode(
                 q_latent, q_pe, self.kv_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
-                self.scale, self.kv_lora_rank,
+                self.scale, self.kv_lora_rank, max_seq_len=ctx.decode_max_seq_len,
             )
             out[:nd] = torch.einsum("bhr,hvr->bhv", o_latent.to(x.dtype), w_uv)
         for seq in ctx.prefill_sequences:

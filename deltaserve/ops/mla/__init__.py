@@ -30,12 +30,14 @@ def paged_mla_decode(
     seq_lens: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, R], q_pe: [B, H, P], kv_cache: [num_blocks, block_size, R + P],
-    block_tables: [B, max_blocks] long, seq_lens: [B] long
-    -> (o_latent [B, H, R] float32, lse [B, H] float32). See naive.paged_mla_decode."""
+    block_tables: [B, max_blocks] long, seq_lens: [B] long, max_seq_len: a host-side bound on seq_lens
+    (fixed under CUDA graphs) or None -> (o_latent [B, H, R] float32, lse [B, H] float32).
+    See naive.paged_mla_decode."""
     impl = paged_mla_decode_impl(q_latent.device)
-    return impl(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank)
+    return impl(q_latent, q_pe, kv_cache, block_tables, seq_lens, scale, kv_lora_rank, max_seq_len=max_seq_len)
 
 
 __all__ = [

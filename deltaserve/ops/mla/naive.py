@@ -68,8 +68,11 @@ def paged_mla_decode(
     seq_lens: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: one query token per sequence over its cached latents.
+
+    max_seq_len: an optional host-side bound on seq_lens for fast kernels; the reference ignores it.
 
     q_latent: [B, H, R] (q_nope folded through W_UK), q_pe: [B, H, P],
     kv_cache: [num_blocks, block_size, R + P], block_tables: [B, max_blocks] long (entries past a
