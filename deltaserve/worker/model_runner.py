@@ -127,11 +127,16 @@ class ModelRunner:
         ]
         metadata = SamplingMetadata.from_params(params, seeds, logits.device)
         sampled = self.sampler(logits, metadata)
-        token_ids = sampled.sampled_token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        if sampled.logprobs is not None:
-            ids, values = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
-            ranks = sampled.sampled_token_ranks.tolist()
+        if sampled.logprobs is None:
+            token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
+        else:  # ids, ranks and logprob ids in one transfer, the values in a second
+            ints = torch.cat([sampled.sampled_token_ids.view(-1, 1), sampled.sampled_token_ranks.view(-1, 1),
+                              sampled.logprob_token_ids], dim=1).tolist()
+            values = sampled.logprobs.tolist()
+            token_ids = [row[0] for row in ints]
+            ranks = [row[1] for row in ints]
+            ids = [row[2:] for row in ints]
             for row, p in enumerate(params):
                 if p.logprobs is not None:
                     k = 1 + p.logprobs
