@@ -1,7 +1,8 @@
 """Mixture of experts: the grouped sigmoid router and the routed-expert computation.
 
-`fused_moe` dispatches by device; every device runs the torch expert loop today, CUDA will get a
-grouped GEMM behind the same signature.
+`fused_moe` dispatches by device: CUDA and CPU run the grouped-GEMM path (`grouped.py`, which itself
+falls back to the loop for operands torch._grouped_mm cannot take without a host sync); other devices
+run the torch expert loop (`naive.py`).
 """
 
 from __future__ import annotations
@@ -10,15 +11,21 @@ from collections.abc import Callable
 
 import torch
 
-from deltaserve.ops.moe import naive
+from deltaserve.ops.moe import grouped, naive
 from deltaserve.ops.moe.naive import grouped_topk
 
 FusedMoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def fused_moe_impl(device: torch.device) -> FusedMoEFn:
-    """The fused_moe implementation for tensors on `device`."""
-    # only the torch reference exists; a CUDA grouped GEMM plugs in here
+    """The fused_moe implementation for tensors on `device`.
+
+    CUDA: grouped GEMMs on sm90/sm100 in bf16 (sync-free, graph-capturable), else the loop.
+    CPU: grouped GEMMs on torch >= 2.9 (measured no slower than the loop), else the loop.
+    The per-call choice is `grouped.grouped_mm_supported`.
+    """
+    if device.type in ("cuda", "cpu"):
+        return grouped.fused_moe
     return naive.fused_moe
 
 
