@@ -1,11 +1,12 @@
 """Multi-head latent attention over a paged latent cache [num_blocks, block_size, R + P].
 
-The API is the same on every device. `paged_mla_decode` dispatches by device: only the torch
-reference exists now; a Triton split-KV kernel (merged with `merge_attention_states`) comes later.
+The API is the same on every device. `paged_mla_decode` dispatches by device: the Triton split-KV
+kernel (`triton_decode`) on CUDA, the torch reference (`naive`) elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -16,9 +17,20 @@ from deltaserve.ops.mla.naive import attention_expanded, gather_latents, merge_a
 PagedDecodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+@functools.cache
 def paged_mla_decode_impl(device: torch.device) -> PagedDecodeFn:
-    """The paged_mla_decode implementation for tensors on `device`."""
-    # only the torch reference exists; the CUDA Triton kernel plugs in here
+    """The paged_mla_decode implementation for tensors on `device`.
+
+    CUDA: the Triton split-KV kernel (`triton_decode.paged_mla_decode`) when triton imports, else the
+    torch reference. Other devices: the torch reference (tests run the Triton kernel on CPU through
+    the Triton interpreter, tests/ops/test_mla_triton.py). Cached per device: import is tried once.
+    """
+    if device.type == "cuda":
+        try:
+            from deltaserve.ops.mla import triton_decode
+        except ImportError:
+            return naive.paged_mla_decode
+        return triton_decode.paged_mla_decode
     return naive.paged_mla_decode
 
 
