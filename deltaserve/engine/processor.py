@@ -52,6 +52,16 @@ class ModelInfo:
         return cls(model_dir, model_config, tokenizer, max_model_len, tuple(sorted(eos)))
 
 
+def _check_encodable(text: str) -> None:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are not text: refuse them by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"prompt: the text is not valid Unicode (a lone surrogate {text[e.start]!a} at character {e.start})"
+        ) from None
+
+
 class InputProcessor:
     """Turns (prompt, SamplingParams) into an `EngineCoreRequest`, or raises ValueError naming the field."""
 
@@ -72,6 +82,7 @@ class InputProcessor:
             else:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
+            _check_encodable(prompt)
             if self.tokenizer is None:
                 raise ValueError(
                     "prompt: this checkpoint has no tokenizer; pass token ids ({'prompt_token_ids': [...]})"

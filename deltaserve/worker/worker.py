@@ -14,6 +14,7 @@ from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
+from deltaserve.ops.moe.grouped import grouped_mm_supported
 from deltaserve.worker.cuda_graph import DecodeGraphs, capture_sizes
 from deltaserve.worker.model_runner import ModelRunner
 from deltaserve.worker.runner_output import ModelRunnerOutput
@@ -120,8 +121,24 @@ class Worker:
         if self.device.type == "cuda" and not self.engine_config.enforce_eager:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
 
+    def _decode_is_capturable(self) -> bool:
+        """Every routed-expert layer must take the sync-free grouped GEMM (bf16 on sm90+); the loop that
+        other dtypes fall back to reads ids back to the host. A failed capture is not harmless (it
+        leaves the CUDA RNG mid-capture), so it is not attempted."""
+        assert self.model is not None
+        for module in self.model.modules():
+            w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
+            if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
+                x = torch.empty(1, w13.shape[-1], dtype=w13.dtype, device=w13.device)
+                if not grouped_mm_supported(x, w13, w2):
+                    return False
+        return True
+
     def _capture_decode_graphs(self, pad_block: int, pad_state_slot: int) -> None:
         assert self.model is not None and self.runner is not None
+        if not self._decode_is_capturable():
+            logger.info("decode runs without CUDA graphs: the MoE layers need bfloat16 on sm90+ to be capturable")
+            return
         cfg = self.engine_config
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         graphs = DecodeGraphs(self.model, self.device, cfg.block_size, max_model_len, pad_block, pad_state_slot)

@@ -36,7 +36,8 @@ class ServingContext:
         """The name to echo back; None means the first served name. Unknown names are a 404."""
         if requested is None or requested in self.served_model_names:
             return requested or self.served_model_names[0]
-        raise OpenAIError(f"The model `{requested}` does not exist.", 404, param="model", code="model_not_found")
+        shown = requested.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates stay printable
+        raise OpenAIError(f"The model `{shown}` does not exist.", 404, param="model", code="model_not_found")
 
 
 def new_id(prefix: str) -> str:
