@@ -88,7 +88,7 @@ def test_gpu_float32_matches_cpu(gpu_case):
     model_dir, prompts = gpu_case
     batch = [{"prompt_token_ids": p} for p in prompts]
     cpu = LLM(model=model_dir, dtype="float32", device="cpu").generate(batch, greedy(), use_tqdm=False)
-    gpu_llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_seqs=16)
+    gpu_llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_seqs=16, cache_memory="256MiB")
     assert gpu_llm.llm_engine.executor.worker.runner.decode_graphs is None
     gpu = gpu_llm.generate(batch, greedy(), use_tqdm=False)
     for a, b in zip(cpu, gpu, strict=True):
@@ -105,7 +105,8 @@ def test_gpu_bf16_graphs_match_eager(gpu_case):
     batch = [{"prompt_token_ids": p} for p in prompts]
     runs = []
     for eager in (True, False):
-        llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", enforce_eager=eager, max_num_seqs=16)
+        llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", enforce_eager=eager, max_num_seqs=16,
+                  cache_memory="256MiB")  # a fixed budget: the engines before it still hold GPU memory
         assert (llm.llm_engine.executor.worker.runner.decode_graphs is None) == eager
         runs.append([o.outputs[0].token_ids for o in llm.generate(batch, greedy(logprobs=None), use_tqdm=False)])
     assert runs[0] == runs[1]
