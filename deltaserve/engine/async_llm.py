@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from deltaserve.engine.core import EngineCoreRequest
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.processor import InputProcessor, ModelInfo, PromptInput
 from deltaserve.outputs import RequestOutput
@@ -151,15 +152,23 @@ class AsyncLLM:
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the finished one. Bad input raises ValueError before
         anything is sent; leaving early aborts the request in the core."""
+        text, core_request = self.processor.process(request_id, prompt, params, arrival_time)
+        async for output in self.generate_processed(text, core_request):
+            yield output
+
+    async def generate_processed(self, prompt_text: str | None, core_request: EngineCoreRequest,
+                                 ) -> AsyncIterator[RequestOutput]:
+        """`generate` for a request `process_input` has already tokenized and validated."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
+        request_id = core_request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is already in use")
         self.start()
-        text, core_request = self.processor.process(request_id, prompt, params, arrival_time)
         stream = _Stream()
         self._streams[request_id] = stream
-        self.output_processor.add_request(request_id, text, core_request.prompt_token_ids, params)
+        self.output_processor.add_request(request_id, prompt_text, core_request.prompt_token_ids,
+                                          core_request.params)
         finished = False
         try:
             await self._send(("add", core_request))

@@ -115,7 +115,7 @@ class EngineCoreProc:
         if name == "stats":
             return self.core.get_metrics()
         if name == "metrics_text":
-            self.metrics.record(None, self.core.get_metrics())
+            self.metrics.record_snapshot(self.core.get_metrics())
             return self.metrics.exposition()
         return None
 
@@ -137,8 +137,7 @@ class EngineCoreProc:
                 self._maybe_log()
                 continue
             outputs, stats = self.core.step()
-            snapshot = self.core.get_metrics()
-            self.metrics.record(stats, snapshot)
+            self.metrics.record_step(stats)  # gauges and running totals are read at scrape time
             if self.stats_logger is not None:
                 self.stats_logger.record(stats)
             by_owner: dict[bytes, list] = defaultdict(list)
@@ -151,12 +150,12 @@ class EngineCoreProc:
                     del self._owners[out.request_id]
             for identity, outs in by_owner.items():
                 self._send(identity, ("outputs", outs))
-            self._maybe_log(snapshot)
+            self._maybe_log()
         self.shutdown()
 
-    def _maybe_log(self, snapshot: dict[str, Any] | None = None) -> None:
-        if self.stats_logger is not None:
-            self.stats_logger.maybe_log(snapshot or self.core.get_metrics())
+    def _maybe_log(self) -> None:
+        if self.stats_logger is not None and self.stats_logger.due():
+            self.stats_logger.maybe_log(self.core.get_metrics())
 
     def shutdown(self) -> None:
         live = list(self._owners)

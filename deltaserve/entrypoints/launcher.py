@@ -86,12 +86,16 @@ class Server:
             logger.info("deltaserve serve: %s received; draining", signal.Signals(signum).name)
         self._stop_requested = True
 
+    @property
+    def served_model_names(self) -> list[str]:
+        """--served-model-name, else the --model path, else the embedded model's name."""
+        return self.options.served_model_name or [self.engine_config.model or "deltaserve-tiny"]
+
     def start_core(self) -> CoreReady:
-        names = self.options.served_model_name
         receiver, sender = self.mp.Pipe(duplex=False)
         self.core = self.mp.Process(
             target=run_engine_core, name="deltaserve-engine-core",
-            args=(self.engine_config, self.address, (names or ["default"])[0], self.options.log_stats_interval_s,
+            args=(self.engine_config, self.address, self.served_model_names[0], self.options.log_stats_interval_s,
                   sender, self.options.log_level),
         )
         self.core.start()
@@ -109,14 +113,14 @@ class Server:
 
     def start_frontends(self, ready: CoreReady) -> None:
         opts = self.options
-        names = opts.served_model_name or [self.engine_config.model or "deltaserve-tiny"]
         assert self.sock is not None
+        settings = FrontendSettings(
+            engine_config=self.engine_config, engine_address=self.address,
+            served_model_names=self.served_model_names,
+            api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, shutdown_timeout_s=opts.shutdown_timeout_s,
+            log_level=opts.log_level, max_model_len=ready.max_model_len,
+        )
         for index in range(opts.api_server_count):
-            settings = FrontendSettings(
-                engine_config=self.engine_config, engine_address=self.address, served_model_names=names,
-                api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, shutdown_timeout_s=opts.shutdown_timeout_s,
-                log_level=opts.log_level, max_model_len=ready.max_model_len, index=index,
-            )
             proc = self.mp.Process(target=run_api_server, args=(settings, self.sock),
                                    name=f"deltaserve-api-server-{index}")
             proc.start()
@@ -160,8 +164,7 @@ class Server:
         logger.info(
             "deltaserve serve: model %s (served as %s) on %s %s; max_model_len %d; KV cache %d blocks x %d tokens, "
             "%d KDA state slots, %d checkpoint units x %d bytes (%.2f GiB in all); %d API server(s)",
-            ready.model_dir, ", ".join(self.options.served_model_name or [self.engine_config.model or
-                                                                          "deltaserve-tiny"]),
+            ready.model_dir, ", ".join(self.served_model_names),
             ready.device, ready.dtype, ready.max_model_len, ready.num_kv_blocks, ready.block_size,
             ready.num_state_slots, ready.num_checkpoint_units, ready.checkpoint_unit_bytes, gib,
             self.options.api_server_count,

@@ -96,22 +96,30 @@ class EngineMetrics:
     def record(self, stats: IterationStats | None, snapshot: dict[str, Any]) -> None:
         """Apply one step's stats and the core's current `get_metrics()` snapshot."""
         if stats is not None:
-            if stats.num_prompt_tokens:
-                self.prompt_tokens.inc(stats.num_prompt_tokens)
-            if stats.num_generation_tokens:
-                self.generation_tokens.inc(stats.num_generation_tokens)
-            if stats.num_computed_tokens:
-                self.computed_tokens.inc(stats.num_computed_tokens)
-            for value in stats.time_to_first_tokens:
-                self.ttft.observe(value)
-            for value in stats.inter_token_latencies:
-                self.itl.observe(value)
-            for done in stats.finished:
-                self._success.labels(self._model, done.finish_reason).inc()
-                self.e2e.observe(done.e2e_latency)
-                self.queue_time.observe(done.queue_time)
-                self.request_prompt_tokens.observe(done.num_prompt_tokens)
-                self.request_generation_tokens.observe(done.num_generation_tokens)
+            self.record_step(stats)
+        self.record_snapshot(snapshot)
+
+    def record_step(self, stats: IterationStats) -> None:
+        """Counters and histograms of one step (cheap: runs every step)."""
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_computed_tokens:
+            self.computed_tokens.inc(stats.num_computed_tokens)
+        for value in stats.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latencies:
+            self.itl.observe(value)
+        for done in stats.finished:
+            self._success.labels(self._model, done.finish_reason).inc()
+            self.e2e.observe(done.e2e_latency)
+            self.queue_time.observe(done.queue_time)
+            self.request_prompt_tokens.observe(done.num_prompt_tokens)
+            self.request_generation_tokens.observe(done.num_generation_tokens)
+
+    def record_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Gauges, and counters kept by the core as running totals, from `get_metrics()` (per scrape)."""
         sched, kv, slots = snapshot["scheduler"], snapshot["kv_cache"], snapshot["state_slots"]
         self.num_requests_running.set(sched["num_running"])
         self.num_requests_waiting.set(sched["num_waiting"])

@@ -28,6 +28,11 @@ class StatsLogger:
                                                                stats.num_computed_tokens)
         self._generation_tokens += stats.num_generation_tokens
 
+    def due(self, now: float | None = None) -> bool:
+        """Whether the interval has passed (so the caller builds a snapshot only then)."""
+        now = time.monotonic() if now is None else now
+        return now - self._start >= self.interval_s
+
     def maybe_log(self, snapshot: dict[str, Any], now: float | None = None) -> str | None:
         """Log (and return) the line if the interval has passed and something happened or is running."""
         now = time.monotonic() if now is None else now

@@ -16,7 +16,7 @@ import contextlib
 import hmac
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,8 +50,6 @@ class FrontendSettings:
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     max_model_len: int | None = None  # as the core resolved it
-    index: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class BodyLimitMiddleware:

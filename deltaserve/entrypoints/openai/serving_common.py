@@ -119,7 +119,7 @@ async def stream_outputs(ctx: ServingContext, planned: list[tuple[int, str | Non
     done = object()
 
     async def pump(choice: int, text: str | None, core: EngineCoreRequest) -> None:
-        gen = ctx.engine.generate(core.request_id, _prompt_of(text, core), core.params, core.arrival_time)
+        gen = ctx.engine.generate_processed(text, core)
         try:
             async with contextlib.aclosing(gen):
                 async for output in gen:
@@ -143,10 +143,6 @@ async def stream_outputs(ctx: ServingContext, planned: list[tuple[int, str | Non
     finally:
         for task in tasks:
             task.cancel()
-
-
-def _prompt_of(text: str | None, core: EngineCoreRequest) -> dict[str, Any]:
-    return {"prompt_token_ids": core.prompt_token_ids, "prompt": text}
 
 
 def _as_openai_error(e: Exception) -> Exception:

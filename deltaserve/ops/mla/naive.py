@@ -60,6 +60,17 @@ def _safe_exp_weights(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(scores - shift.unsqueeze(-1))
 
 
+def check_decode_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                        ) -> None:
+    """ValueError unless q_latent [.., R] and q_pe [.., P] fit kv_lora_rank = R and cache entries of R + P."""
+    rank = q_latent.shape[-1]
+    if rank != kv_lora_rank or kv_cache.shape[-1] != kv_lora_rank + q_pe.shape[-1]:
+        raise ValueError(
+            f"q_latent [.., {rank}] and q_pe [.., {q_pe.shape[-1]}] do not match kv_lora_rank={kv_lora_rank} "
+            f"and cache entries of {kv_cache.shape[-1]}"
+        )
+
+
 def paged_mla_decode(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -81,12 +92,8 @@ def paged_mla_decode(
     score_j = scale * (q_latent . c_j + q_pe . k_pe_j), o_latent = softmax(score) . c,
     lse = logsumexp(score) (natural log). A sequence with no tokens gives o = 0, lse = -inf.
     """
-    batch, _, rank = q_latent.shape
-    if rank != kv_lora_rank or kv_cache.shape[-1] != kv_lora_rank + q_pe.shape[-1]:
-        raise ValueError(
-            f"q_latent [.., {rank}] and q_pe [.., {q_pe.shape[-1]}] do not match kv_lora_rank={kv_lora_rank} "
-            f"and cache entries of {kv_cache.shape[-1]}"
-        )
+    check_decode_shapes(q_latent, q_pe, kv_cache, kv_lora_rank)
+    batch = q_latent.shape[0]
     block_size = kv_cache.shape[1]
     max_len = int(seq_lens.max()) if batch else 0
     num_blocks = max(1, -(-max_len // block_size))

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.mla.naive import check_decode_shapes
+
 _LOG2E = math.log2(math.e)
 # Enough programs for about two resident per SM; more splits only add partial-output traffic.
 _PROGRAMS_PER_SM = 2
@@ -265,13 +267,9 @@ def paged_mla_decode(
     max_blocks * block_size (no host sync). num_kv_splits: overrides that choice (fix it for CUDA
     graphs). config: tile sizes; None picks DEFAULT_CONFIG (bf16/fp16) or FP32_CONFIG.
     """
+    check_decode_shapes(q_latent, q_pe, kv_cache, kv_lora_rank)
     batch, num_heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
-    if rank != kv_lora_rank or kv_cache.shape[-1] != kv_lora_rank + rope:
-        raise ValueError(
-            f"q_latent [.., {rank}] and q_pe [.., {rope}] do not match kv_lora_rank={kv_lora_rank} "
-            f"and cache entries of {kv_cache.shape[-1]}"
-        )
     if q_pe.shape[:2] != (batch, num_heads) or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(
             f"batch/head shapes disagree: q_latent {tuple(q_latent.shape)}, q_pe {tuple(q_pe.shape)}, "
