@@ -503,6 +503,30 @@ def timed_steps(engine: Any, n: int) -> dict[str, float]:
             "rest_of_step_s": total / n - statistics.mean(sched_s) - statistics.mean(exec_s)}
 
 
+PROFILED_BATCHES = (1, 64)
+
+
+def profile_steps(engine: Any, n: int, top: int = 15) -> dict[str, Any]:
+    """Kernels of n engine steps under torch.profiler: count per step and the top kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    rows = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {
+        "steps": n,
+        "kernels_per_step": sum(e.count for e in kernels) / n,
+        "kernel_us_per_step": total_us / n,
+        "top": [{"name": e.key[:120], "calls_per_step": e.count / n, "us_per_step": e.self_device_time_total / n,
+                 "share": e.self_device_time_total / total_us if total_us else None} for e in rows],
+    }
+
+
 def section_decode(run: Run) -> dict[str, Any]:
     s, cfg, engine = run.sizes, run.config, run.llm.llm_engine
     sched, params = engine.core.scheduler, greedy(s["decode_max_tokens"])
@@ -541,6 +565,13 @@ def section_decode(run: Run) -> dict[str, Any]:
                        distinct_experts=distinct, distinct_experts_source=source, distinct_experts_measured=measured,
                        distinct_experts_uniform=uniform, bytes=nbytes,
                        achieved_GBps=gbps["mbu"], **{k: v / copy_bw if copy_bw else None for k, v in gbps.items()})
+            if b in PROFILED_BATCHES:
+                try:
+                    row["profile"] = profile_steps(engine, 3)
+                    log(f"decode B={b}: {row['profile']['kernels_per_step']:.0f} kernels/step, "
+                        f"{row['profile']['kernel_us_per_step'] / 1e3:.2f} ms of kernel time/step")
+                except Exception as e:  # a profile is a bonus: never lose the timing over it
+                    row["profile"] = {"error": repr(e)}
             out[f"batch_{b}"] = row
             log(f"decode B={b}: {timing['step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s, "
                 f"MBU {row['mbu'] or 0:.1%} (experts {distinct:.1f}, {source})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -51,6 +52,12 @@ class ForwardContext:
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_sequences)
+
+    @cached_property
+    def prefill_cu_seqlens_cpu(self) -> torch.Tensor:
+        """prefill_cu_seqlens on the host, from the chunks' lengths: [P + 1] long (no device read)."""
+        lengths = [0] + [seq.num_new_tokens for seq in self.prefill_sequences]
+        return torch.tensor(lengths, dtype=torch.long).cumsum(0)
 
 
 _current: ForwardContext | None = None

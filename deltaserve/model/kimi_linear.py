@@ -59,10 +59,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual): [T, hidden_size] each -> the next layer's (hidden, residual).
+
+        The residual stream is carried beside the sublayer outputs so that each residual add runs
+        inside the next norm's kernel: the stream after this layer is residual + hidden. A first
+        layer passes residual=None (its input is the stream).
+        """
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed), residual)
+        return self.mlp(normed), residual
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -94,9 +105,14 @@ class KimiLinearForCausalLM(nn.Module):
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
+        residual = None
         for layer in self.layers.values():
-            hidden = layer(hidden)
-        return self.norm(hidden) if self.parallel.is_last_stage else hidden
+            hidden, residual = layer(hidden, residual)
+        if residual is None:  # a stage without layers
+            return self.norm(hidden) if self.parallel.is_last_stage else hidden
+        if self.parallel.is_last_stage:
+            return self.norm(hidden, residual)[0]
+        return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> float32 logits [N, vocab_size]."""

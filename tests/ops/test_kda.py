@@ -7,7 +7,15 @@ import importlib.util
 import pytest
 import torch
 
-from deltaserve.ops.kda import chunk_kda_torch, kda_decode, kda_prefill, l2norm, naive_recurrent_kda
+from deltaserve.ops.kda import (
+    KDAGate,
+    chunk_kda_torch,
+    kda_decode,
+    kda_gate,
+    kda_prefill,
+    l2norm,
+    naive_recurrent_kda,
+)
 
 
 def random_inputs(T, H=2, K=16, V=32, gen=None):
@@ -93,3 +101,45 @@ def test_against_fla_naive_recurrent():
     o, s = fla_naive(q[None], k[None], v[None], g[None], beta[None], scale=0.25, output_final_state=True)
     torch.testing.assert_close(o[0].float(), o_ref, atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(s[0].float(), s_ref, atol=1e-4, rtol=1e-3)
+
+
+def raw_inputs(T, H=2, K=16, V=32, gen=None, dtype=torch.float32):
+    """Raw layer outputs: un-normalised q, k, gate logits before dt_bias, beta logits; and the gate params."""
+    q, k, v = (torch.randn(T, H, n, generator=gen).to(dtype) for n in (K, K, V))
+    gate_logits = torch.randn(T, H, K, generator=gen).to(dtype)
+    beta_logits = torch.randn(T, H, generator=gen).to(dtype)
+    A_log = torch.rand(H, generator=gen).mul(2).log1p().to(dtype)
+    gate = KDAGate(A_log=A_log, dt_bias=torch.randn(H * K, generator=gen))
+    return q, k, v, gate_logits, beta_logits, gate
+
+
+def activated(q, k, g, beta, gate):
+    return l2norm(q.float()), l2norm(k.float()), kda_gate(g, gate.A_log, gate.dt_bias), torch.sigmoid(beta.float())
+
+
+def test_kda_gate_formula():
+    raw, A_log, dt_bias = torch.randn(4, 3, 8), torch.randn(3), torch.randn(24)
+    ref = -A_log.exp().view(1, 3, 1) * torch.nn.functional.softplus(raw + dt_bias.view(1, 3, 8))
+    torch.testing.assert_close(kda_gate(raw, A_log, dt_bias), ref)
+
+
+def test_raw_inputs_with_gate_equal_activated_inputs():
+    """gate=KDAGate(...) applies l2 norms, decay and sigmoid in the backend: same as doing it first."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [3, 30]
+    cu = torch.tensor([0, 3, 33])
+    q, k, v, g, beta, gate = raw_inputs(sum(lens), gen=gen)
+    pool_raw, pool_ref = torch.randn(4, 2, 16, 32, generator=gen).repeat(2, 1, 1, 1, 1).unbind(0)
+    pool_raw, pool_ref = pool_raw.clone(), pool_ref.clone()
+    slots, has_initial = torch.tensor([2, 0]), torch.tensor([True, False])
+    o = kda_prefill(q, k, v, g, beta, 0.25, cu, pool_raw, slots, has_initial, gate=gate)
+    qa, ka, ga, ba = activated(q, k, g, beta, gate)
+    o_ref = kda_prefill(qa, ka, v, ga, ba, 0.25, cu, pool_ref, slots, has_initial)
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pool_raw, pool_ref, atol=1e-6, rtol=1e-6)
+    q, k, v, g, beta, _ = raw_inputs(2, gen=gen)
+    o = kda_decode(q, k, v, g, beta, 0.25, pool_raw, slots, gate=gate)
+    qa, ka, ga, ba = activated(q, k, g, beta, gate)
+    o_ref = kda_decode(qa, ka, v, ga, ba, 0.25, pool_ref, slots)
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pool_raw, pool_ref, atol=1e-6, rtol=1e-6)

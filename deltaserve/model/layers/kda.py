@@ -8,7 +8,6 @@ tensor-parallel ranks; the state pool tensors hold this rank's heads only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config.model_config import KimiLinearConfig
@@ -16,7 +15,7 @@ from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear, sharded_param
 from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
-from deltaserve.ops.kda import kda_decode, kda_prefill, l2norm
+from deltaserve.ops.kda import KDAGate, kda_decode, kda_gate, kda_prefill
 from deltaserve.ops.norm import gated_rms_norm
 
 
@@ -56,10 +55,11 @@ class KimiDeltaAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Log-space per-channel decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias): [T, H, K] fp32."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.view(-1, self.num_heads, self.head_dim)
-        decay_rate = self.A_log.float().view(1, self.num_heads, 1).exp()
-        return -decay_rate * F.softplus(raw, beta=1.0, threshold=20.0)
+        return kda_gate(self.forget_gate_logits(x), self.A_log, self.dt_bias)
+
+    def forget_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """f_b(f_a(x)) before dt_bias: [T, H, K] in the model dtype."""
+        return self.f_b_proj(self.f_a_proj(x)).view(-1, self.num_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (partial sums when tensor-parallel)."""
@@ -80,17 +80,19 @@ class KimiDeltaAttention(nn.Module):
                 ctx.prefill_state_slots,
                 ctx.prefill_has_initial_state,
             )
+        # Raw q, k, gate and beta logits: the KDA backend applies the l2 norms, the decay and the sigmoid
+        # (inside fla's kernels on the GPU).
         q, k, v = conv_out.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = l2norm(q.float()), l2norm(k.float())
-        v = v.float()
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        g = self.forget_gate_logits(x)
+        beta = self.b_proj(x)
+        gate_params = KDAGate(self.A_log, self.dt_bias)
 
-        out = torch.empty_like(v)
+        out = torch.empty_like(v)  # the model dtype: the norm below reads it rounded, as transformers does
         if num_decodes:
             d = slice(0, num_decodes)
             out[d] = kda_decode(
-                q[d], k[d], v[d], g[d], beta[d], self.scale, self.recurrent_state, ctx.decode_state_slots
+                q[d], k[d], v[d], g[d], beta[d], self.scale, self.recurrent_state, ctx.decode_state_slots,
+                gate=gate_params,
             )
         if ctx.num_prefills:
             p = slice(num_decodes, None)
@@ -98,7 +100,8 @@ class KimiDeltaAttention(nn.Module):
                 q[p], k[p], v[p], g[p], beta[p], self.scale,
                 ctx.prefill_cu_seqlens, self.recurrent_state,
                 ctx.prefill_state_slots, ctx.prefill_has_initial_state,
+                gate=gate_params, cu_seqlens_cpu=ctx.prefill_cu_seqlens_cpu,
             )
         gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.num_heads, self.head_dim)
-        normed = gated_rms_norm(out.to(x.dtype), gate, self.o_norm_weight, self.eps)
+        normed = gated_rms_norm(out, gate, self.o_norm_weight, self.eps)
         return self.o_proj(normed.reshape(-1, self.local_dim))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deltaserve.ops.norm import rms_norm
+from deltaserve.ops.norm import add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +16,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden_size] -> same shape and dtype."""
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., hidden_size] -> normed, same shape and dtype.
+
+        With a residual (like x): (norm(x + residual), x + residual), in one kernel on the GPU.
+        """
+        return add_rms_norm(x, self.weight, self.eps, residual)

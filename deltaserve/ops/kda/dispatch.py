@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from deltaserve.ops.kda.chunk import chunk_kda_torch
-from deltaserve.ops.kda.naive import naive_recurrent_kda, recurrent_kda_step
+from deltaserve.ops.kda.naive import kda_gate, l2norm, naive_recurrent_kda, recurrent_kda_step
 
 BACKEND_ENV = "DELTASERVE_KDA_BACKEND"
 BACKENDS = ("auto", "torch", "fla")
@@ -34,6 +35,40 @@ def _fla_kda() -> ModuleType | None:
     except Exception:  # ImportError, or a Triton/driver failure while fla initialises
         return None
     return fla_kda
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_fused_recurrent_fwd():
+    """fla's forward with `ssm_state_indices` + `inplace_final_state`: reads and writes pool slots by index."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    return fused_recurrent_kda_fwd
+
+
+@dataclass(frozen=True)
+class KDAGate:
+    """The layer's gate parameters, for calls that pass raw (pre-activation) inputs.
+
+    With a KDAGate, `g` is the forget-gate projection f_b(f_a(x)) before dt_bias, `beta` is the
+    b_proj logits, and q, k are not yet l2-normalised. The backend then applies
+    g = -exp(A_log) * softplus(g + dt_bias), beta = sigmoid(beta) and the l2 norms itself: fused
+    into fla's kernels, or through the references here.
+
+    A_log: [H] (any float dtype), one decay rate per head. dt_bias: [H * K] float32.
+    """
+
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def _activate(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, gate: KDAGate | None
+) -> tuple[torch.Tensor, ...]:
+    """The reference path's view of raw inputs: l2-normalised q, k, log-space g and sigmoid beta, fp32."""
+    if gate is None:
+        return q, k, g, beta
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q, k, kda_gate(g, gate.A_log, gate.dt_bias), torch.sigmoid(beta.float())
 
 
 def select_backend(device: torch.device) -> str:
@@ -76,12 +111,15 @@ def kda_prefill(
     state_pool: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
+    *,
+    gate: KDAGate | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KDA over N sequences packed back to back, continuing from (and updating) pooled states.
 
     Args:
-        q, k: [T, H, K] float32, l2-normalised, q not yet scaled.
-        v: [T, H, V]. g: [T, H, K] float32 log-space decay. beta: [T, H] float32.
+        q, k: [T, H, K] l2-normalised, q not yet scaled (raw when `gate` is given).
+        v: [T, H, V]. g: [T, H, K] log-space decay. beta: [T, H] (raw logits when `gate` is given).
         scale: multiplies q.
         cu_seqlens: [N + 1] long, sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1].
         state_pool: [S, H, K, V] float32. state_pool[state_slots[i]] is read as the starting state
@@ -89,8 +127,10 @@ def kda_prefill(
             Other slots are left untouched.
         state_slots: [N] long, distinct.
         has_initial_state: [N] bool; False starts from zeros and never reads the slot.
+        gate: the layer's gate parameters when q, k, g and beta are raw (see KDAGate).
+        cu_seqlens_cpu: the same offsets on the CPU, if the caller has them (spares fla a device sync).
     Returns:
-        o: [T, H, V] float32.
+        o: [T, H, V], float32 or v's dtype.
     """
     state_slots = state_slots.to(device=state_pool.device, dtype=torch.long)
     if state_slots.numel() == 0:
@@ -106,13 +146,17 @@ def kda_prefill(
             scale=scale,
             initial_state=h0.float().contiguous(),
             output_final_state=True,
-            use_qk_l2norm_in_kernel=False,
-            use_gate_in_kernel=False,
+            use_qk_l2norm_in_kernel=gate is not None,
+            use_gate_in_kernel=gate is not None,
+            use_beta_sigmoid_in_kernel=gate is not None,
             cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+            cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
+            **_gate_kwargs(gate),
         )
         state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
-        return o.squeeze(0).float()
+        return o.squeeze(0)
 
+    q, k, g, beta = _activate(q, k, g, beta, gate)
     o = q.new_empty(v.shape, dtype=torch.float32)
     bounds = cu_seqlens.tolist()
     finals = []
@@ -138,39 +182,65 @@ def kda_decode(
     scale: float,
     state_pool: torch.Tensor,
     state_slots: torch.Tensor,
+    *,
+    gate: KDAGate | None = None,
 ) -> torch.Tensor:
     """One KDA step for each of B sequences, updating their pooled states in place.
 
     Args:
-        q, k: [B, H, K] float32 (l2-normalised, q not yet scaled). v: [B, H, V].
-        g: [B, H, K] float32 log-space decay. beta: [B, H].
+        q, k: [B, H, K] l2-normalised, q not yet scaled (raw when `gate` is given). v: [B, H, V].
+        g: [B, H, K] log-space decay. beta: [B, H] (raw logits when `gate` is given).
         scale: multiplies q.
         state_pool: [S, H, K, V] float32; slots state_slots are read and overwritten, others untouched.
-        state_slots: [B] long, distinct.
+        state_slots: [B] long or int32, distinct.
+        gate: the layer's gate parameters when q, k, g and beta are raw (see KDAGate).
     Returns:
-        o: [B, H, V] float32.
+        o: [B, H, V], float32 or v's dtype.
     """
-    state_slots = state_slots.to(device=state_pool.device, dtype=torch.long)
+    state_slots = state_slots.to(device=state_pool.device)
     if state_slots.numel() == 0:
         return v.new_zeros(v.shape, dtype=torch.float32)
-    h0 = state_pool.index_select(0, state_slots)
     if select_backend(q.device) == "fla":
-        # Keyword arguments on purpose: fused_recurrent_kda takes A_log and dt_bias before scale.
-        o, final = _fla_kda().fused_recurrent_kda(
-            q=q.unsqueeze(1),
-            k=k.unsqueeze(1),
-            v=v.unsqueeze(1),
-            g=g.unsqueeze(1),
-            beta=beta.unsqueeze(1),
+        _check_pool_layout(state_pool)
+        # In place by index: the kernel reads pool[slot] and writes the new state back to it, so the
+        # [B, H, K, V] states are not gathered and scattered around it. Keyword arguments on purpose:
+        # the forward takes A_log and dt_bias before scale.
+        o, _ = _fla_fused_recurrent_fwd()(
+            q=q.unsqueeze(1).contiguous(),
+            k=k.unsqueeze(1).contiguous(),
+            v=v.unsqueeze(1).contiguous(),
+            g=g.unsqueeze(1).contiguous(),
+            beta=beta.unsqueeze(1).contiguous(),
             scale=scale,
-            initial_state=h0.float().contiguous(),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=False,
-            use_gate_in_kernel=False,
+            initial_state=state_pool,
+            inplace_final_state=True,
+            ssm_state_indices=state_slots,
+            use_qk_l2norm_in_kernel=gate is not None,
+            use_gate_in_kernel=gate is not None,
+            use_beta_sigmoid_in_kernel=gate is not None,
+            **_gate_kwargs(gate),
         )
-        state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
-        return o.squeeze(1).float()
+        return o.squeeze(1)
 
+    state_slots = state_slots.long()
+    h0 = state_pool.index_select(0, state_slots)
+    q, k, g, beta = _activate(q, k, g, beta, gate)
     o, final = recurrent_kda_step(q, k, v, g, beta, scale, h0)
     state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
     return o.float()
+
+
+def _gate_kwargs(gate: KDAGate | None) -> dict[str, torch.Tensor]:
+    if gate is None:
+        return {}
+    return {"A_log": gate.A_log.reshape(-1).contiguous(), "dt_bias": gate.dt_bias.reshape(-1).contiguous()}
+
+
+def _check_pool_layout(state_pool: torch.Tensor) -> None:
+    """fla indexes slot rows as dense float32 [H, K, V] blocks (any slot stride)."""
+    _, _, K, V = state_pool.shape
+    if state_pool.dtype != torch.float32 or state_pool.stride()[1:] != (K * V, V, 1):
+        raise ValueError(
+            f"the KDA state pool must be float32 with dense [H, K, V] slots for in-place decode, got "
+            f"{state_pool.dtype} with strides {state_pool.stride()}"
+        )

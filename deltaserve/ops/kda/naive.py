@@ -37,6 +37,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf / torch.sqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The log-space per-channel decay g = -exp(A_log) * softplus(raw + dt_bias), in float32.
+
+    Args:
+        raw: [T, H, K], the forget-gate projection f_b(f_a(x)) before its bias.
+        A_log: [H] (or any shape holding H values), one decay rate per head.
+        dt_bias: [H * K].
+    Returns:
+        [T, H, K] float32.
+    """
+    T, H, K = raw.shape
+    shifted = raw.float() + dt_bias.float().view(1, H, K)
+    decay_rate = A_log.float().reshape(1, H, 1).exp()
+    return -decay_rate * torch.nn.functional.softplus(shifted, beta=1.0, threshold=20.0)
+
+
 def recurrent_kda_step(
     q: torch.Tensor,
     k: torch.Tensor,

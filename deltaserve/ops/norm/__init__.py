@@ -1,5 +1,50 @@
-"""RMS norms: the plain one (layer norms, latent norms) and the sigmoid-gated KDA output norm."""
+"""RMS norms: the plain one (layer norms, latent norms, with an optional residual add) and the
+sigmoid-gated KDA output norm.
 
-from deltaserve.ops.norm.naive import gated_rms_norm, rms_norm
+The API is the same on every device: on CUDA the Triton kernels in `triton_norm` run (when triton
+imports), elsewhere the references in `naive`. Tests run the kernels on CPU in the Triton interpreter.
+"""
 
-__all__ = ["gated_rms_norm", "rms_norm"]
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from deltaserve.ops.norm import naive
+
+
+@functools.cache
+def _triton_norm() -> ModuleType | None:
+    try:
+        from deltaserve.ops.norm import triton_norm
+    except ImportError:
+        return None
+    return triton_norm
+
+
+def _impl(x: torch.Tensor) -> ModuleType:
+    if x.device.type == "cuda":
+        return _triton_norm() or naive
+    return naive
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D], weight: [D] -> [..., D] (see naive.rms_norm)."""
+    return _impl(x).add_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x (+ residual): normed, or (normed, x + residual) (see naive.add_rms_norm)."""
+    return _impl(x).add_rms_norm(x, weight, eps, residual)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate: [T, H, D], weight: [D] -> [T, H, D] in x.dtype (see naive.gated_rms_norm)."""
+    return _impl(x).gated_rms_norm(x, gate, weight, eps)
+
+
+__all__ = ["add_rms_norm", "gated_rms_norm", "rms_norm"]

@@ -17,6 +17,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * inv_rms).to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` of x, or of x + residual, for a residual stream carried beside the hidden states.
+
+    x: [..., D]; weight: [D]; residual: like x, or None.
+    Returns rms_norm(x) without a residual; with one, (rms_norm(x + residual), x + residual), the sum
+    in x.dtype, exactly as `hidden = residual + x; rms_norm(hidden)` computes it.
+    """
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The KDA output norm: RMSNorm of x over D, times weight, times sigmoid(gate).
 
