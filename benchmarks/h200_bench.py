@@ -804,6 +804,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     free_deltaserve(run)
     if "transformers" in sections and not args.skip_transformers:
         run_section(run, "transformers", section_transformers)
+    try:  # the autotuned fla configs of this run, to ship in deltaserve/ops/kda/fla_tuned/<GPU>/
+        from deltaserve.ops.kda.fla_tuning import dump_autotune_results, gpu_dir_name
+
+        tuned = os.path.join(os.path.dirname(run.out_path), "fla_tuned", gpu_dir_name(torch.cuda.get_device_name(0)))
+        log(f"fla autotune results: {dump_autotune_results(tuned)} entries in {tuned}")
+    except Exception as e:
+        log(f"fla autotune results not written: {e!r}")
     run.results["comparison"] = comparison(run.results)
     run.results["total_seconds"] = time.perf_counter() - START
     run.save()

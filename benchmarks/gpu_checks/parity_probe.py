@@ -46,6 +46,10 @@ def child(variant: str, model_dir: str, prompts_path: str, out_path: str) -> Non
         rows.append({"tokens": c.token_ids,
                      "top": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]})
     Path(out_path).write_text(json.dumps(rows))
+    if device == "cuda" and os.environ.get("FLA_TUNED_OUT"):  # this shape's fla autotune results, to ship
+        from deltaserve.ops.kda.fla_tuning import dump_autotune_results
+
+        dump_autotune_results(os.environ["FLA_TUNED_OUT"])
 
 
 def compare(ref: list[dict], got: list[dict], lengths: list[int]) -> list[dict]:
@@ -63,16 +67,27 @@ def compare(ref: list[dict], got: list[dict], lengths: list[int]) -> list[dict]:
     return report
 
 
+def print_rows(name: str, by_variant: dict) -> None:
+    for variant, rows in by_variant.items():
+        for row in rows:
+            first = "-" if row["first_divergence"] is None else row["first_divergence"]
+            margin = "" if row["cpu_margin_there"] is None else f"{row['cpu_margin_there']:.2e}"
+            print(f"{name:14} {variant:13} {row['prompt_len']:>4} {first!s:>11} {margin:>10} "
+                  f"{row['max_logprob_diff_before']:>16.2e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="plain,qlora-groups,shared2")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="cpu is always run")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "tests"))
     from hf_reference import build_hf_model, random_prompts, save_hf_checkpoint
     from test_parity import CONFIGS, PROMPT_LENGTHS
 
     results: dict = {}
+    print(f"{'config':14} {'variant':13} {'len':>4} {'diverges at':>11} {'cpu margin':>10} {'max dlogp before':>16}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             hub_config, seed = CONFIGS[name]
@@ -80,7 +95,8 @@ def main() -> None:
             prompts_path = os.path.join(tmp, f"{name}.prompts.json")
             Path(prompts_path).write_text(json.dumps(random_prompts(PROMPT_LENGTHS, hub_config["vocab_size"], seed)))
             runs = {}
-            for variant, env in VARIANTS.items():
+            chosen = {"cpu"} | set(args.variants.split(","))
+            for variant, env in ((v, e) for v, e in VARIANTS.items() if v in chosen):
                 out_path = os.path.join(tmp, f"{name}.{variant}.json")
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", variant, model_dir, prompts_path, out_path],
@@ -92,18 +108,10 @@ def main() -> None:
                     continue
                 runs[variant] = json.loads(Path(out_path).read_text())
             results[name] = {v: compare(runs["cpu"], runs[v], PROMPT_LENGTHS)
-                             for v in VARIANTS if v != "cpu" and "error" not in runs.get(v, {"error": 1})
-                             and "error" not in runs["cpu"]}
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"{'config':14} {'variant':13} {'len':>4} {'diverges at':>11} {'cpu margin':>10} {'max dlogp before':>16}")
-    for name, by_variant in results.items():
-        for variant, rows in by_variant.items():
-            for row in rows:
-                first = "-" if row["first_divergence"] is None else row["first_divergence"]
-                margin = "" if row["cpu_margin_there"] is None else f"{row['cpu_margin_there']:.2e}"
-                print(f"{name:14} {variant:13} {row['prompt_len']:>4} {first!s:>11} {margin:>10} "
-                      f"{row['max_logprob_diff_before']:>16.2e}")
+                             for v in runs if v != "cpu" and "error" not in runs[v] and "error" not in runs["cpu"]}
+            print_rows(name, results[name])
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

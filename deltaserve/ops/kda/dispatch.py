@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from deltaserve.ops.kda.chunk import chunk_kda_torch
+from deltaserve.ops.kda.fla_tuning import use_shipped_configs
 from deltaserve.ops.kda.naive import kda_gate, l2norm, naive_recurrent_kda, recurrent_kda_step
 
 BACKEND_ENV = "DELTASERVE_KDA_BACKEND"
@@ -31,6 +32,7 @@ CHUNK_THRESHOLD = 16
 @functools.lru_cache(maxsize=1)
 def _fla_kda() -> ModuleType | None:
     try:
+        use_shipped_configs()  # before fla's import, which reads the variables it sets
         import fla.ops.kda as fla_kda
     except Exception:  # ImportError, or a Triton/driver failure while fla initialises
         return None
