@@ -81,21 +81,42 @@ def gpu_case(request, tmp_path_factory):
     return model_dir, random_prompts(PROMPT_LENGTHS, hub_config["vocab_size"], seed)
 
 
+GPU_LOGPROB_TOL = 2e-2  # fla's kernels use TF32 dots: up to 7e-3 seen on the H200 (parity_probe_2026-12-03.json)
+
+
+def first_divergence(cpu, gpu, tol: float) -> int | None:
+    """The first step where greedy tokens differ, None if none; fails unless that step is a near-tie.
+
+    Before it, each token's logprob agrees within tol. At it, each side's token is in the other's top
+    logprobs and the CPU ranks them within tol of each other: a rounding-level tie, not a fault.
+    """
+    a, b = cpu.outputs[0], gpu.outputs[0]
+    for step, (ta, tb, la, lb) in enumerate(zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True)):
+        if ta != tb:
+            assert tb in la and ta in lb, f"step {step}: tokens {ta} / {tb} are not in each other's top logprobs"
+            assert la[ta].logprob - la[tb].logprob < tol, f"step {step}: not a near-tie on the CPU"
+            return step
+        assert abs(la[ta].logprob - lb[tb].logprob) < tol, f"step {step}: logprobs {la[ta]} vs {lb[tb]}"
+    return None
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_gpu_float32_matches_cpu(gpu_case):
-    """The GPU path in float32 (fla KDA, Triton MLA decode; the MoE loop, so no CUDA graphs) against the
-    CPU references. CUDA graphs need the bf16 grouped MoE: test_gpu_bf16_graphs_match_eager."""
+    """The GPU path in float32 (fla KDA, Triton MLA decode, norms and conv; the MoE loop, so no CUDA
+    graphs) against the CPU references: greedy tokens equal, or parting only at a near-tie.
+
+    fla's Triton kernels compute float32 dots in TF32, so logprobs differ by up to ~1e-2, and a
+    near-tie (one was seen with the CPU's top two 4e-5 apart) can go either way. CUDA graphs need the
+    bf16 grouped MoE: test_gpu_bf16_graphs_match_eager."""
     model_dir, prompts = gpu_case
     batch = [{"prompt_token_ids": p} for p in prompts]
-    cpu = LLM(model=model_dir, dtype="float32", device="cpu").generate(batch, greedy(), use_tqdm=False)
+    params = greedy(logprobs=5)
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu").generate(batch, params, use_tqdm=False)
     gpu_llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_seqs=16, cache_memory="256MiB")
     assert gpu_llm.llm_engine.executor.worker.runner.decode_graphs is None
-    gpu = gpu_llm.generate(batch, greedy(), use_tqdm=False)
-    for a, b in zip(cpu, gpu, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt of {len(a.prompt_token_ids)} diverged"
-        lp_a = [s[t].logprob for s, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]
-        lp_b = [s[t].logprob for s, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
-        assert lp_a == pytest.approx(lp_b, abs=1e-2)  # fla's kernels use tf32 inside (5e-3 seen on the H200)
+    gpu = gpu_llm.generate(batch, params, use_tqdm=False)
+    parted = [first_divergence(a, b, GPU_LOGPROB_TOL) for a, b in zip(cpu, gpu, strict=True)]
+    assert sum(p is None for p in parted) >= len(parted) - 1, f"first divergence per prompt: {parted}"
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")

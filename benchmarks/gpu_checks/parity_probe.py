@@ -31,8 +31,22 @@ VARIANTS = {
 NUM_TOKENS, TOP = 32, 5
 
 
+def tune_with_first_config() -> None:
+    """Skip autotuning: each Triton autotuner runs the first config that survives pruning.
+
+    Autotuning fla for a new shape takes minutes; the config changes tiling, not precision.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda self, *a, **kw: prune(self, *a, **kw)[:1]
+
+
 def child(variant: str, model_dir: str, prompts_path: str, out_path: str) -> None:
     from deltaserve import LLM, SamplingParams
+
+    if variant != "cpu" and os.environ.get("PROBE_FIRST_CONFIG") == "1":
+        tune_with_first_config()
 
     prompts = json.loads(Path(prompts_path).read_text())
     device = "cpu" if variant == "cpu" else "cuda"

@@ -143,3 +143,23 @@ def test_raw_inputs_with_gate_equal_activated_inputs():
     o_ref = kda_decode(qa, ka, v, ga, ba, 0.25, pool_ref, slots)
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(pool_raw, pool_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_shipped_fla_configs_are_well_formed(monkeypatch, tmp_path):
+    """Every shipped fla config file parses the way fla reads it; no CUDA here, so nothing is set."""
+    import json
+
+    from deltaserve.ops.kda import fla_tuning
+
+    files = sorted(fla_tuning.TUNED_DIR.glob("*/*.json"))
+    assert files, "no shipped fla configs"
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["kernel_name"] == path.stem
+        for entry in data["autotune_entries"].values():
+            assert {"kwargs", "num_warps", "num_stages"} <= set(entry["config"])
+    assert fla_tuning.gpu_dir_name("NVIDIA H200") == "NVIDIA_H200"
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    if not torch.cuda.is_available():
+        assert fla_tuning.use_shipped_configs() is None
