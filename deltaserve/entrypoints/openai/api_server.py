@@ -155,7 +155,8 @@ def build_app(settings: FrontendSettings, info: ModelInfo | None = None) -> Fast
     async def models() -> ModelList:
         created = now_s()
         return ModelList(data=[
-            ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len)
+            ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len,
+                      vocab_size=info.model_config.vocab_size)
             for name in settings.served_model_names
         ])
 

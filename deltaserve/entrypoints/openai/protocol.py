@@ -173,6 +173,9 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: 16 by default; None means up to the context length.
     logprobs: top logprobs per generated token (0..20); the server also checks its own max_logprobs.
     best_of: only unset or equal to n; suffix: only unset or empty.
+    return_token_ids (vLLM's): each choice also carries its generated `token_ids` (when streaming, the
+    new ids of each chunk, and a chunk for every new id even where the text is still empty) and its
+    `prompt_token_ids` (when streaming, in the choice's first chunk only).
     """
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -181,6 +184,7 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = Field(default=None, ge=1, le=_MAX_N)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    return_token_ids: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -481,13 +485,16 @@ class CompletionLogProbs(BaseModel):
 
 
 class CompletionResponseChoice(BaseModel):
-    """One completion; stop_reason is the stop string or token id that ended it, if any."""
+    """One completion; stop_reason is the stop string or token id that ended it, if any.
+    token_ids and prompt_token_ids are set only for a request with return_token_ids."""
 
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -599,6 +606,7 @@ class ModelCard(BaseModel):
     owned_by: str = "deltaserve"
     root: str | None = None
     max_model_len: int | None = None
+    vocab_size: int | None = None  # deltaserve's own: the token-id range [0, vocab_size) prompts may use
 
 
 class ModelList(BaseModel):

@@ -81,18 +81,20 @@ class CompletionHandler:
                 echo_texts[choice] = text or ""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(request_id, model, planned, body.n, echo_texts, include_usage)
+            stream = self._stream(request_id, model, planned, body.n, echo_texts, include_usage,
+                                  body.return_token_ids)
             return StreamingResponse(stream, media_type="text/event-stream")
 
         async def work() -> CompletionResponse:
             finals = await collect_outputs(self.ctx, planned)
-            return self._response(request_id, model, finals, body.n, echo_texts, body.logprobs is not None)
+            return self._response(request_id, model, finals, body.n, echo_texts, body.logprobs is not None,
+                                  body.return_token_ids)
 
         response = await cancel_on_disconnect(raw_request, work)
         return JSONResponse(response.model_dump())
 
     def _response(self, request_id: str, model: str, finals: dict[int, RequestOutput], n: int,
-                  echo_texts: dict[int, str], with_logprobs: bool) -> CompletionResponse:
+                  echo_texts: dict[int, str], with_logprobs: bool, with_token_ids: bool) -> CompletionResponse:
         choices = []
         for choice in sorted(finals):
             completion = finals[choice].outputs[0]
@@ -103,12 +105,14 @@ class CompletionHandler:
             choices.append(CompletionResponseChoice(
                 index=choice, text=prefix + completion.text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                prompt_token_ids=list(finals[choice].prompt_token_ids) if with_token_ids else None,
+                token_ids=list(completion.token_ids) if with_token_ids else None,
             ))
         return CompletionResponse(id=request_id, created=now_s(), model=model, choices=choices,
                                   usage=make_usage(finals, n))
 
     async def _stream(self, request_id: str, model: str, planned: list, n: int, echo_texts: dict[int, str],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, with_token_ids: bool) -> AsyncIterator[str]:
         created = now_s()
         offsets: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
@@ -122,11 +126,14 @@ class CompletionHandler:
                 logprobs = None
                 if d.logprobs is not None:
                     logprobs, offsets[d.choice] = completion_logprobs(d.logprobs, d.token_ids, offsets[d.choice])
-                if not text and not d.output.finished and logprobs is None:
+                new_ids = with_token_ids and bool(d.token_ids)
+                if not text and not d.output.finished and logprobs is None and not new_ids:
                     continue
                 choice = CompletionResponseChoice(
                     index=d.choice, text=text, logprobs=logprobs,
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    prompt_token_ids=list(d.output.prompt_token_ids) if with_token_ids and d.first else None,
+                    token_ids=list(d.token_ids) if with_token_ids else None,
                 )
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
             if include_usage:
