@@ -24,8 +24,9 @@ import argparse
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
+from deltaserve.bench.mooncake import TRACE_BLOCK, TraceRecord, read_trace
+from deltaserve.bench.prefix_oracle import InfinitePrefixCache
 from deltaserve.core.checkpoint_pool import CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.kv_cache_spec import MLALatentSpec
@@ -34,32 +35,7 @@ from deltaserve.core.request import Request
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.state_pool import StateSlotPool
 
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
 SAMPLED_TOKEN = -1  # never a prompt token (prompt tokens are >= 0)
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    timestamp: int  # ms
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_trace(path: str, max_requests: int | None = None) -> list[TraceRecord]:
-    """The trace's records in arrival (timestamp) order, at most `max_requests` of them."""
-    records = []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            records.append(TraceRecord(r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"])))
-            if max_requests is not None and len(records) >= max_requests:
-                break
-    records.sort(key=lambda r: r.timestamp)  # stable: ties keep file order
-    return records
-
 
 def prompt_token_ids(record: TraceRecord) -> list[int]:
     """Token ids of the prompt: block i is derived from hash_ids[i] alone, truncated to input_length."""
@@ -73,20 +49,11 @@ def prompt_token_ids(record: TraceRecord) -> list[int]:
 def oracle_hit_tokens(records: Sequence[TraceRecord]) -> list[int]:
     """Per request, the tokens an infinite block cache could skip: the longest leading run of its
     hash_ids equal to a leading run of full blocks of any earlier request, capped below its last token."""
-    trie: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node; node 0 is the root
+    cache = InfinitePrefixCache()
     hits = []
     for r in records:
-        max_blocks = (r.input_length - 1) // TRACE_BLOCK
-        node, n = 0, 0
-        for h in r.hash_ids[:max_blocks]:
-            child = trie.get((node, h))
-            if child is None:
-                break
-            node, n = child, n + 1
-        hits.append(n * TRACE_BLOCK)
-        node = 0
-        for h in r.hash_ids[: r.input_length // TRACE_BLOCK]:
-            node = trie.setdefault((node, h), len(trie) + 1)
+        hits.append(cache.match(r.hash_ids, (r.input_length - 1) // TRACE_BLOCK) * TRACE_BLOCK)
+        cache.insert(r.hash_ids[: r.input_length // TRACE_BLOCK])
     return hits
 
 
