@@ -1,0 +1,5 @@
+import sys
+
+from deltaserve.bench.serve.cli import main
+
+sys.exit(main())
