@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -48,16 +47,12 @@ class ForwardContext:
     # an upper bound on decode_seq_lens known on the host (CUDA graphs: the model's context), so the MLA
     # decode kernel picks its split count without reading seq_lens back; None: the kernel finds it
     decode_max_seq_len: int | None = None
+    # prefill_cu_seqlens on the host, so kernels that plan their chunks on the CPU need no device read
+    prefill_cu_seqlens_cpu: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_sequences)
-
-    @cached_property
-    def prefill_cu_seqlens_cpu(self) -> torch.Tensor:
-        """prefill_cu_seqlens on the host, from the chunks' lengths: [P + 1] long (no device read)."""
-        lengths = [0] + [seq.num_new_tokens for seq in self.prefill_sequences]
-        return torch.tensor(lengths, dtype=torch.long).cumsum(0)
 
 
 _current: ForwardContext | None = None

@@ -82,6 +82,7 @@ class ModelRunner:
         def to_dev(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(dev)
 
+        cu_seqlens = torch.tensor(cu, dtype=torch.long)
         ctx = ForwardContext(
             num_tokens=len(token_ids),
             num_decodes=len(decodes),
@@ -89,10 +90,11 @@ class ModelRunner:
             decode_state_slots=to_dev([c.state_slot for c in decodes]),
             decode_block_tables=decode_tables.to(dev),
             decode_seq_lens=to_dev([c.num_computed_tokens + 1 for c in decodes]),
-            prefill_cu_seqlens=to_dev(cu),
+            prefill_cu_seqlens=cu_seqlens.to(dev),
             prefill_state_slots=to_dev([c.state_slot for c in prefills]),
             prefill_has_initial_state=to_dev([c.num_computed_tokens > 0 for c in prefills], torch.bool),
             prefill_sequences=tuple(prefill_sequences),
+            prefill_cu_seqlens_cpu=cu_seqlens,
         )
         return PreparedStep(to_dev(token_ids), ctx, to_dev(sample_rows), sample_chunks)
 

@@ -1,4 +1,4 @@
-"""The pure helpers of benchmarks/h200_bench.py on CPU: FLOP and byte formulas against hand counts on
+"""The pure helpers of benchmarks/h200_bench.py and model_costs.py on CPU: FLOP and byte formulas against hand counts on
 the tiny preset, the weight stream against make-model's, and the hub -> transformers name map."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def _load():
 
 
 hb = _load()
+mc = sys.modules["model_costs"]  # its sibling, imported by it: the FLOP and byte formulas
 TINY = preset_config("tiny")  # d 64, KDA 4 x 16 at layers 0, 1, 3, MLA (4 heads) at 2, dense 0, MoE 8 experts top-2
 BIG = preset_config("kimi-linear-48b-a3b")
 
@@ -36,11 +37,11 @@ def test_linear_flops_match_a_hand_count():
     # MACs per token: KDA 3*64*64 + 2*(64*16 + 16*64) + 64*4 + 64*64 + 3*64*4 = 21504 per layer, 3 layers;
     # MLA 64*4*24 + 64*40 + 32*4*32 + 4*16*64 = 16896; dense 3*64*128; per MoE layer router 64*8,
     # routed 2*3*64*32, shared 3*64*32, 3 layers
-    assert hb.linear_flops_per_token(TINY) == {
+    assert mc.linear_flops_per_token(TINY) == {
         "kda": 2 * 3 * 21504, "mla": 2 * 16896, "dense_mlp": 2 * 24576,
         "router": 2 * 3 * 512, "routed_experts": 2 * 3 * 12288, "shared_experts": 2 * 3 * 6144,
     }
-    assert hb.lm_head_flops(TINY) == 2 * 64 * 512
+    assert mc.lm_head_flops(TINY) == 2 * 64 * 512
 
 
 @pytest.mark.parametrize("config", [TINY, BIG], ids=["tiny", "48b"])
@@ -48,55 +49,55 @@ def test_linear_flops_cover_the_active_parameters(config):
     # every active parameter is one multiply-add per token, except the vectors (norms, gates' biases)
     vectors = sum(math.prod(shape) for name, (shape, _) in hub_tensor_shapes(config).items()
                   if len(shape) != 2 and "conv1d" not in name)
-    macs = sum(hb.linear_flops_per_token(config).values()) // 2 + hb.lm_head_flops(config) // 2
+    macs = sum(mc.linear_flops_per_token(config).values()) // 2 + mc.lm_head_flops(config) // 2
     assert macs + vectors == count_parameters(config).active
 
 
 def test_mla_attention_is_the_causal_count():
     per_key = 2 * 4 * (24 + 16)  # 2 * heads * (qk_dim + v_dim), one MLA layer
-    assert hb.mla_attention_flops(TINY, 10) == per_key * 55  # 1 + 2 + ... + 10 keys
-    assert hb.mla_attention_flops(TINY, 3, num_context_tokens=5) == per_key * (6 + 7 + 8)
+    assert mc.mla_attention_flops(TINY, 10) == per_key * 55  # 1 + 2 + ... + 10 keys
+    assert mc.mla_attention_flops(TINY, 3, num_context_tokens=5) == per_key * (6 + 7 + 8)
     # chunking a prompt does not change its model FLOPs
-    assert hb.mla_attention_flops(TINY, 7) + hb.mla_attention_flops(TINY, 5, 7) == hb.mla_attention_flops(TINY, 12)
+    assert mc.mla_attention_flops(TINY, 7) + mc.mla_attention_flops(TINY, 5, 7) == mc.mla_attention_flops(TINY, 12)
     # the 48B shape at 32k: about L * H * (qk + v) per token per layer
-    per_token = hb.mla_attention_flops(BIG, 32768) / 32768
+    per_token = mc.mla_attention_flops(BIG, 32768) / 32768
     assert per_token == pytest.approx(32768 * 32 * 320 * 7, rel=1e-3)
 
 
 def test_kda_chunk_flops():
     macs = 64 * 2.5 * 16 + 64 * 64 / 6 + 3 * 16 * 16  # per token per head at C=64, K=V=16
-    assert hb.kda_chunk_flops(TINY, 100) == pytest.approx(2 * macs * 4 * 3 * 100)
-    per_head = hb.kda_chunk_flops(BIG, 1) / (32 * 20)
+    assert mc.kda_chunk_flops(TINY, 100) == pytest.approx(2 * macs * 4 * 3 * 100)
+    per_head = mc.kda_chunk_flops(BIG, 1) / (32 * 20)
     assert 0.1e6 < per_head < 0.2e6  # the documented ~0.14 MFLOP per token per head
 
 
 def test_prefill_flops_add_up():
-    f = hb.prefill_flops(TINY, [10, 20])
-    expected = (30 * sum(hb.linear_flops_per_token(TINY).values()) + 2 * hb.lm_head_flops(TINY)
-                + hb.mla_attention_flops(TINY, 10) + hb.mla_attention_flops(TINY, 20) + hb.kda_chunk_flops(TINY, 30))
+    f = mc.prefill_flops(TINY, [10, 20])
+    expected = (30 * sum(mc.linear_flops_per_token(TINY).values()) + 2 * mc.lm_head_flops(TINY)
+                + mc.mla_attention_flops(TINY, 10) + mc.mla_attention_flops(TINY, 20) + mc.kda_chunk_flops(TINY, 30))
     assert f["total"] == pytest.approx(expected)
     assert f["per_token"] == pytest.approx(expected / 30)
-    assert f["lm_head"] == 2 * hb.lm_head_flops(TINY)
+    assert f["lm_head"] == 2 * mc.lm_head_flops(TINY)
 
 
 def test_expected_distinct_experts():
-    assert hb.expected_distinct_experts(256, 8, 1) == pytest.approx(8)
-    assert hb.expected_distinct_experts(256, 8, 0) == 0
-    assert hb.expected_distinct_experts(256, 8, 64) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 64))
-    assert hb.expected_distinct_experts(256, 8, 4096) == pytest.approx(256, rel=1e-6)
-    values = [hb.expected_distinct_experts(256, 8, b) for b in (1, 16, 64, 256)]
+    assert mc.expected_distinct_experts(256, 8, 1) == pytest.approx(8)
+    assert mc.expected_distinct_experts(256, 8, 0) == 0
+    assert mc.expected_distinct_experts(256, 8, 64) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 64))
+    assert mc.expected_distinct_experts(256, 8, 4096) == pytest.approx(256, rel=1e-6)
+    values = [mc.expected_distinct_experts(256, 8, b) for b in (1, 16, 64, 256)]
     assert values == sorted(values)
 
 
 def test_kda_state_bytes_match_the_engine_spec():
-    assert hb.kda_state_bytes_per_request(BIG) == 43417600  # 20 x (32*128*128*4 + 3*4096*3*2)
+    assert mc.kda_state_bytes_per_request(BIG) == 43417600  # 20 x (32*128*128*4 + 3*4096*3*2)
     spec = KDAStateSpec(num_layers=3, num_heads=4, head_k_dim=16, head_v_dim=16, conv_dim=3 * 64, conv_window=3,
                         conv_dtype_bytes=2)
-    assert hb.kda_state_bytes_per_request(TINY) == spec.bytes_per_image
+    assert mc.kda_state_bytes_per_request(TINY) == spec.bytes_per_image
 
 
 def test_weight_bytes_partition_the_checkpoint():
-    w = hb.weight_bytes(BIG)
+    w = mc.weight_bytes(BIG)
     fp32 = sum(math.prod(s) for s, kind in hub_tensor_shapes(BIG).values() if kind == "float32")
     assert w["routed_experts"] + w["embedding"] + w["lm_head"] + w["rest"] == 2 * count_parameters(BIG).total + 2 * fp32
     assert w["routed_experts"] == 26 * 256 * w["per_expert"]
@@ -105,13 +106,13 @@ def test_weight_bytes_partition_the_checkpoint():
 
 
 def test_decode_step_bytes_by_hand():
-    b = hb.decode_step_bytes(TINY, batch=2, total_context=100, distinct_experts=3)
+    b = mc.decode_step_bytes(TINY, batch=2, total_context=100, distinct_experts=3)
     assert b["latents_read"] == 100 * 40 * 2  # one MLA layer, 32 + 8 values of 2 bytes
     assert b["latents_written"] == 2 * 40 * 2
     assert b["kda_state"] == 2 * 2 * 3 * (4 * 16 * 16 * 4 + 3 * 64 * 3 * 2)
     assert b["routed_experts"] == 3 * 3 * (3 * 64 * 32 * 2)
     assert b["embedding"] == 2 * 64 * 2 and b["lm_head"] == 512 * 64 * 2
-    assert b["weights_rest"] == hb.weight_bytes(TINY)["rest"]
+    assert b["weights_rest"] == mc.weight_bytes(TINY)["rest"]
     assert b["total"] == pytest.approx(sum(v for k, v in b.items() if k != "total"))
 
 

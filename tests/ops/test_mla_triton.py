@@ -7,11 +7,8 @@ end inside its last page) and block-table tails hold out-of-range ids, so a stra
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +16,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from deltaserve.ops.mla import naive, paged_mla_decode_impl  # noqa: E402
+from ops.triton_interpreter import run_interpreter_worker  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 R, P, H = 32, 8, 4  # small kv_lora_rank, rope dim, heads for the interpreter
 SCALE = 0.3
 
@@ -78,13 +75,7 @@ def check_against_reference(case: tuple[torch.Tensor, ...], out: tuple[torch.Ten
     torch.testing.assert_close(lse, ref_lse, atol=lse_tol, rtol=lse_tol, msg=lambda m: f"lse: {m}")
 
 
-# ---- CPU: the kernels in the Triton interpreter, run in a subprocess ----
-#
-# TRITON_INTERPRET must be set before triton is first imported: it is read when @triton.jit decorates,
-# and that includes triton.language's own jit helpers (tl.cdiv, tl.max, ...), which an interpreted
-# kernel can only call if they are interpreted too. In a whole-suite run triton is already imported
-# (by the importorskip above at the latest), so the interpreter runs in a fresh interpreter process
-# (this file as a script, see the bottom) that saves inputs and outputs; the comparisons run here.
+# ---- CPU: the kernels in the Triton interpreter, run in a subprocess (tests/ops/triton_interpreter.py) ----
 
 # case id -> make_case arguments and launch options. Lengths cover 0, 1, a partial page, whole pages
 # and several pages with a partial tail; 20 splits is more than any sequence has pages.
@@ -205,19 +196,7 @@ def _interpreter_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("mla_triton") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"interpreter worker failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    return torch.load(out)
+    return run_interpreter_worker(__file__, tmp_path_factory.mktemp("mla_triton"))
 
 
 @pytest.mark.parametrize("case_id", list(INTERPRETER_CASES))

@@ -1,18 +1,16 @@
 """The Triton norms (ops/norm/triton_norm.py) and conv decode (ops/conv/triton_conv.py) against the
 torch references.
 
-On CPU the kernels run in the Triton interpreter, in a fresh process (TRITON_INTERPRET must be set
-before triton is first imported; see tests/ops/test_mla_triton.py); on CUDA they are compiled. Inputs
+On CPU the kernels run in the Triton interpreter, in a fresh process (tests/ops/triton_interpreter.py);
+on CUDA they are compiled. Inputs
 are fresh random values; conv pools hold NaN in every slot no sequence owns, which must stay untouched.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ pytest.importorskip("triton")
 
 from deltaserve.ops.conv import naive as conv_naive  # noqa: E402
 from deltaserve.ops.norm import naive as norm_naive  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ops.triton_interpreter import run_interpreter_worker  # noqa: E402
 
 # case id -> (kind, arguments). D values include non-powers of two; "strided" feeds a column slice.
 CASES: dict[str, tuple[str, dict]] = {
@@ -127,13 +124,7 @@ def _interpreter_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("norm_conv_triton") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"interpreter worker failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    return torch.load(out)
+    return run_interpreter_worker(__file__, tmp_path_factory.mktemp("norm_conv_triton"))
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

@@ -15,7 +15,7 @@ from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear, sharded_param
 from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
-from deltaserve.ops.kda import KDAGate, kda_decode, kda_gate, kda_prefill
+from deltaserve.ops.kda import KDAGate, kda_decode, kda_prefill
 from deltaserve.ops.norm import gated_rms_norm
 
 
@@ -53,12 +53,9 @@ class KimiDeltaAttention(nn.Module):
     def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-space per-channel decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias): [T, H, K] fp32."""
-        return kda_gate(self.forget_gate_logits(x), self.A_log, self.dt_bias)
-
     def forget_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """f_b(f_a(x)) before dt_bias: [T, H, K] in the model dtype."""
+        """f_b(f_a(x)) before dt_bias: [T, H, K] in the model dtype. The decay itself,
+        -exp(A_log) * softplus(logits + dt_bias), is applied by the KDA op (see KDAGate)."""
         return self.f_b_proj(self.f_a_proj(x)).view(-1, self.num_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,42 +63,50 @@ class KimiDeltaAttention(nn.Module):
         ctx = get_forward_context()
         num_decodes = ctx.num_decodes
         mixed = self.qkv_proj(x)
-        conv_out = torch.empty_like(mixed)
+        # decode rows first, then prefill rows: each part is computed on its own rows and joined
+        conv_parts = []
         if num_decodes:
-            conv_out[:num_decodes] = causal_conv1d_decode(
+            conv_parts.append(causal_conv1d_decode(
                 mixed[:num_decodes], self.qkv_conv_weight, self.conv_state, ctx.decode_state_slots
-            )
+            ))
         if ctx.num_prefills:
-            conv_out[num_decodes:] = causal_conv1d_prefill(
+            conv_parts.append(causal_conv1d_prefill(
                 mixed[num_decodes:],
                 self.qkv_conv_weight,
                 ctx.prefill_cu_seqlens,
                 self.conv_state,
                 ctx.prefill_state_slots,
                 ctx.prefill_has_initial_state,
-            )
+            ))
         # Raw q, k, gate and beta logits: the KDA backend applies the l2 norms, the decay and the sigmoid
         # (inside fla's kernels on the GPU).
-        q, k, v = conv_out.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = _join(conv_parts).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         g = self.forget_gate_logits(x)
         beta = self.b_proj(x)
         gate_params = KDAGate(self.A_log, self.dt_bias)
 
-        out = torch.empty_like(v)  # the model dtype: the norm below reads it rounded, as transformers does
+        kda_parts = []
         if num_decodes:
             d = slice(0, num_decodes)
-            out[d] = kda_decode(
+            kda_parts.append(kda_decode(
                 q[d], k[d], v[d], g[d], beta[d], self.scale, self.recurrent_state, ctx.decode_state_slots,
                 gate=gate_params,
-            )
+            ))
         if ctx.num_prefills:
             p = slice(num_decodes, None)
-            out[p] = kda_prefill(
+            kda_parts.append(kda_prefill(
                 q[p], k[p], v[p], g[p], beta[p], self.scale,
                 ctx.prefill_cu_seqlens, self.recurrent_state,
                 ctx.prefill_state_slots, ctx.prefill_has_initial_state,
                 gate=gate_params, cu_seqlens_cpu=ctx.prefill_cu_seqlens_cpu,
-            )
+            ))
+        # in the model dtype: the norm below reads it rounded, as transformers does
+        out = _join(kda_parts).to(x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.num_heads, self.head_dim)
         normed = gated_rms_norm(out, gate, self.o_norm_weight, self.eps)
         return self.o_proj(normed.reshape(-1, self.local_dim))
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The decode part and the prefill part of a step's rows as one tensor (no copy for a single part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

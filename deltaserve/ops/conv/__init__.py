@@ -6,24 +6,18 @@ triton imports, the reference elsewhere; tests run the kernel on CPU in the Trit
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 from deltaserve.ops.conv import naive
 from deltaserve.ops.conv.naive import causal_conv1d_prefill
+from deltaserve.ops.triton_kernels import cuda_kernels
 
 
-@functools.cache
 def _decode_impl(device_type: str) -> Callable[..., torch.Tensor]:
-    if device_type == "cuda":
-        try:
-            from deltaserve.ops.conv import triton_conv
-        except ImportError:
-            return naive.causal_conv1d_decode
-        return triton_conv.causal_conv1d_decode
-    return naive.causal_conv1d_decode
+    kernels = cuda_kernels("deltaserve.ops.conv.triton_conv") if device_type == "cuda" else None
+    return kernels.causal_conv1d_decode if kernels is not None else naive.causal_conv1d_decode
 
 
 def causal_conv1d_decode(

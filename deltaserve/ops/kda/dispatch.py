@@ -148,12 +148,9 @@ def kda_prefill(
             scale=scale,
             initial_state=h0.float().contiguous(),
             output_final_state=True,
-            use_qk_l2norm_in_kernel=gate is not None,
-            use_gate_in_kernel=gate is not None,
-            use_beta_sigmoid_in_kernel=gate is not None,
             cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
             cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
-            **_gate_kwargs(gate),
+            **_fused_activation_kwargs(gate),
         )
         state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))
         return o.squeeze(0)
@@ -217,10 +214,7 @@ def kda_decode(
             initial_state=state_pool,
             inplace_final_state=True,
             ssm_state_indices=state_slots,
-            use_qk_l2norm_in_kernel=gate is not None,
-            use_gate_in_kernel=gate is not None,
-            use_beta_sigmoid_in_kernel=gate is not None,
-            **_gate_kwargs(gate),
+            **_fused_activation_kwargs(gate),
         )
         return o.squeeze(1)
 
@@ -232,10 +226,15 @@ def kda_decode(
     return o.float()
 
 
-def _gate_kwargs(gate: KDAGate | None) -> dict[str, torch.Tensor]:
-    if gate is None:
-        return {}
-    return {"A_log": gate.A_log.reshape(-1).contiguous(), "dt_bias": gate.dt_bias.reshape(-1).contiguous()}
+def _fused_activation_kwargs(gate: KDAGate | None) -> dict[str, object]:
+    """fla's flags and parameters for raw inputs: l2 norms, decay gate and beta sigmoid in the kernel."""
+    fused = gate is not None
+    kwargs: dict[str, object] = {
+        "use_qk_l2norm_in_kernel": fused, "use_gate_in_kernel": fused, "use_beta_sigmoid_in_kernel": fused,
+    }
+    if fused:
+        kwargs.update(A_log=gate.A_log.reshape(-1).contiguous(), dt_bias=gate.dt_bias.reshape(-1).contiguous())
+    return kwargs
 
 
 def _check_pool_layout(state_pool: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from deltaserve.ops.mla import naive
 from deltaserve.ops.mla.naive import attention_expanded, gather_latents, merge_attention_states, write_latents
+from deltaserve.ops.triton_kernels import cuda_kernels
 
 PagedDecodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -25,13 +26,8 @@ def paged_mla_decode_impl(device: torch.device) -> PagedDecodeFn:
     torch reference. Other devices: the torch reference (tests run the Triton kernel on CPU through
     the Triton interpreter, tests/ops/test_mla_triton.py). Cached per device: import is tried once.
     """
-    if device.type == "cuda":
-        try:
-            from deltaserve.ops.mla import triton_decode
-        except ImportError:
-            return naive.paged_mla_decode
-        return triton_decode.paged_mla_decode
-    return naive.paged_mla_decode
+    kernels = cuda_kernels("deltaserve.ops.mla.triton_decode") if device.type == "cuda" else None
+    return kernels.paged_mla_decode if kernels is not None else naive.paged_mla_decode
 
 
 def paged_mla_decode(

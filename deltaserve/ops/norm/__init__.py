@@ -7,27 +7,17 @@ imports), elsewhere the references in `naive`. Tests run the kernels on CPU in t
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
 
 from deltaserve.ops.norm import naive
-
-
-@functools.cache
-def _triton_norm() -> ModuleType | None:
-    try:
-        from deltaserve.ops.norm import triton_norm
-    except ImportError:
-        return None
-    return triton_norm
+from deltaserve.ops.triton_kernels import cuda_kernels
 
 
 def _impl(x: torch.Tensor) -> ModuleType:
-    if x.device.type == "cuda":
-        return _triton_norm() or naive
-    return naive
+    kernels = cuda_kernels("deltaserve.ops.norm.triton_norm") if x.device.type == "cuda" else None
+    return kernels if kernels is not None else naive
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -66,22 +66,19 @@ def add_rms_norm(
     D = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    block = triton.next_power_of_2(D)
-    warps = max(1, min(16, block // 256))
-    if residual is None:
-        if x2.shape[0]:
-            _add_rms_norm_kernel[(x2.shape[0],)](
-                x2, x2, weight, out, x2, D, x2.stride(0), 0, out.stride(0), 0, eps,
-                HAS_RESIDUAL=False, BLOCK_D=block, num_warps=warps,
-            )
-        return out.view(x.shape)
-    r2 = _rows(residual)
-    residual_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    has_residual = residual is not None
+    # without a residual the kernel never touches these two: x2 stands in for them
+    r2 = _rows(residual) if has_residual else x2
+    residual_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if has_residual else x2
     if x2.shape[0]:
+        block = triton.next_power_of_2(D)
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, residual_out, D, x2.stride(0), r2.stride(0), out.stride(0),
-            residual_out.stride(0), eps, HAS_RESIDUAL=True, BLOCK_D=block, num_warps=warps,
+            residual_out.stride(0), eps, HAS_RESIDUAL=has_residual, BLOCK_D=block,
+            num_warps=max(1, min(16, block // 256)),
         )
+    if not has_residual:
+        return out.view(x.shape)
     return out.view(x.shape), residual_out.view(x.shape)
 
 

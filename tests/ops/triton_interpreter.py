@@ -1,0 +1,31 @@
+"""Running a test file's Triton kernels on CPU, in the Triton interpreter, in a fresh process.
+
+TRITON_INTERPRET must be set before triton is first imported: it is read when @triton.jit decorates,
+and that includes triton.language's own jit helpers, which an interpreted kernel can only call if they
+are interpreted too. In a whole-suite run triton is already imported, so the kernels run in a worker
+process: the test file run as a script, which torch.saves its inputs and outputs to the path it is
+given. The comparisons with the references then run in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreter_worker(test_file: str, out_dir: Path, timeout_s: float = 300) -> dict:
+    """Run `python test_file OUT` with TRITON_INTERPRET=1 and return what it saved to OUT."""
+    out = out_dir / "results.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "tests"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    done = subprocess.run([sys.executable, str(Path(test_file).resolve()), str(out)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"interpreter worker failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return torch.load(out)
