@@ -103,10 +103,6 @@ class AsyncLLM:
         self.socket.close(0)
         self.context.term()
 
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._streams)
-
     # Sending ---------------------------------------------------------------------------------
     async def _send(self, message: tuple) -> None:
         await self.socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -124,11 +120,6 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine core did not answer {name!r} within {timeout_s} s") from e
         finally:
             self._calls.pop(call_id, None)
-
-    async def abort(self, request_ids: list[str]) -> None:
-        task = self.abort_soon(request_ids)
-        if task is not None:
-            await task
 
     def abort_soon(self, request_ids: list[str]) -> asyncio.Task | None:
         """Forget the requests now and send their abort in a task of its own: safe to call from a

@@ -28,9 +28,15 @@ from deltaserve.config.engine_config import EngineConfig
 from deltaserve.engine.async_llm import AsyncLLM, EngineDeadError
 from deltaserve.engine.processor import ModelInfo
 from deltaserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
-from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deltaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    now_s,
+)
 from deltaserve.entrypoints.openai.serving_chat import ChatHandler
-from deltaserve.entrypoints.openai.serving_common import ServingContext, now_s
+from deltaserve.entrypoints.openai.serving_common import ServingContext
 from deltaserve.entrypoints.openai.serving_completion import CompletionHandler
 
 logger = logging.getLogger(__name__)

@@ -105,6 +105,11 @@ class _SamplingRequest(_RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:
@@ -441,7 +446,8 @@ def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- responses
 
 
-def _now() -> int:
+def now_s() -> int:
+    """Unix time in whole seconds, for `created`."""
     return int(time.time())
 
 
@@ -502,7 +508,7 @@ class CompletionResponse(BaseModel):
 
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
@@ -514,7 +520,7 @@ class CompletionStreamResponse(BaseModel):
 
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
@@ -562,7 +568,7 @@ class ChatCompletionResponse(BaseModel):
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
@@ -591,7 +597,7 @@ class ChatCompletionStreamResponse(BaseModel):
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
@@ -602,7 +608,7 @@ class ModelCard(BaseModel):
 
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     owned_by: str = "deltaserve"
     root: str | None = None
     max_model_len: int | None = None

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from deltaserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from deltaserve.entrypoints.openai.errors import OpenAIError
 from deltaserve.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -23,6 +22,7 @@ from deltaserve.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     UsageInfo,
+    now_s,
 )
 from deltaserve.entrypoints.openai.serving_common import (
     ServingContext,
@@ -30,21 +30,12 @@ from deltaserve.entrypoints.openai.serving_common import (
     collect_outputs,
     make_usage,
     new_id,
-    now_s,
     plan_sub_requests,
     sse,
+    sse_response,
     stream_deltas,
 )
 from deltaserve.outputs import Logprob, RequestOutput
-
-
-def _content_text(content: Any) -> str:
-    """A message's content: a string, None, or a list of text parts (joined by newlines)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part.text for part in content)
 
 
 def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> str:
@@ -54,7 +45,7 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> str:
     conversation = []
     for message in body.messages:
         role = "system" if message.role == "developer" else message.role
-        entry: dict[str, Any] = {"role": role, "content": _content_text(message.content)}
+        entry: dict[str, Any] = {"role": role, "content": message.text() or ""}
         if message.name:
             entry["name"] = message.name
         conversation.append(entry)
@@ -92,19 +83,14 @@ class ChatHandler:
 
     async def __call__(self, body: ChatCompletionRequest, raw_request: Request):
         model = self.ctx.resolve_model(body.model)
-        try:
-            params = body.to_sampling_params(None, self.ctx.max_logprobs)
-        except ValueError as e:
-            raise from_value_error(e) from e
+        params = self.ctx.sampling_params(body)
         prompt = render_chat(self.ctx.engine.tokenizer, body)
         request_id = new_id("chatcmpl")
         planned = await plan_sub_requests(self.ctx, request_id, [prompt], params, body.n, body.requested_max_tokens,
                                     time.time(), prompt_param="messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else -1
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, model, planned, body.n, top_k, include_usage),
-                                     media_type="text/event-stream")
+            return sse_response(self._stream(request_id, model, planned, body.n, top_k, body.include_usage))
 
         async def work() -> ChatCompletionResponse:
             finals = await collect_outputs(self.ctx, planned)
@@ -125,11 +111,10 @@ class ChatHandler:
                 index=choice, message=ChatMessage(role="assistant", content=completion.text), logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
             ))
-        return ChatCompletionResponse(id=request_id, created=now_s(), model=model, choices=choices,
-                                      usage=make_usage(finals, n))
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage(finals, n))
 
     async def _stream(self, request_id: str, model: str, planned: list, n: int, top_k: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool) -> AsyncGenerator[str, None]:
         created = now_s()
         finals: dict[int, RequestOutput] = {}
 
@@ -137,23 +122,19 @@ class ChatHandler:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                                     usage=usage))
 
-        try:
-            for choice, _, _ in planned:  # the role comes first, as in OpenAI's streams
-                yield chunk([ChatCompletionResponseStreamChoice(
-                    index=choice, delta=DeltaMessage(role="assistant", content=""))])
-            async for d in stream_deltas(self.ctx, planned, finals):
-                completion = d.output.outputs[0]
-                logprobs = None
-                if top_k >= 0 and d.logprobs is not None:
-                    logprobs = chat_logprobs(d.logprobs, d.token_ids, top_k)
-                if not d.text and not d.output.finished and logprobs is None:
-                    continue
-                yield chunk([ChatCompletionResponseStreamChoice(
-                    index=d.choice, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                    logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                )])
-            if include_usage:
-                yield chunk([], make_usage(finals, n))
-        except OpenAIError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-        yield "data: [DONE]\n\n"
+        for choice, _, _ in planned:  # the role comes first, as in OpenAI's streams
+            yield chunk([ChatCompletionResponseStreamChoice(
+                index=choice, delta=DeltaMessage(role="assistant", content=""))])
+        async for d in stream_deltas(self.ctx, planned, finals):
+            completion = d.output.outputs[0]
+            logprobs = None
+            if top_k >= 0 and d.logprobs is not None:
+                logprobs = chat_logprobs(d.logprobs, d.token_ids, top_k)
+            if not d.text and not d.output.finished and logprobs is None:
+                continue
+            yield chunk([ChatCompletionResponseStreamChoice(
+                index=d.choice, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            )])
+        if include_usage:
+            yield chunk([], make_usage(finals, n))

@@ -6,18 +6,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
+import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from deltaserve.engine.async_llm import AsyncLLM, EngineDeadError
 from deltaserve.engine.core import EngineCoreRequest
 from deltaserve.entrypoints.openai.errors import OpenAIError, from_value_error
-from deltaserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from deltaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    UsageInfo,
+)
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
@@ -39,20 +45,24 @@ class ServingContext:
         shown = requested.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates stay printable
         raise OpenAIError(f"The model `{shown}` does not exist.", 404, param="model", code="model_not_found")
 
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """The request's SamplingParams (max_tokens is resolved per prompt later); a bad value is a 400."""
+        try:
+            return body.to_sampling_params(None, self.max_logprobs)
+        except ValueError as e:
+            raise from_value_error(e) from e
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """None is the room left in the context; more than that room is refused, naming the numbers."""
+    """None is the room left in the context; more than that room is refused, naming the numbers.
+
+    The prompt is already validated, so it leaves at least one token of room.
+    """
     room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise OpenAIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for the completion. Shorten the prompt.",
-            400, param="prompt", code="context_length_exceeded",
-        )
     if requested is None:
         return room
     if requested > room:
@@ -189,6 +199,21 @@ def sse(payload: Any) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
+def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
+    """Stream `events`, then "[DONE]"; an OpenAIError raised mid-stream is sent as an error event first."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        except OpenAIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
 async def collect_outputs(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
                           ) -> dict[int, RequestOutput]:
     """Run every sub-request to its end; the final output of each choice."""
@@ -238,7 +263,3 @@ def make_usage(finals: dict[int, RequestOutput], n: int) -> UsageInfo:
         prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
-
-
-def now_s() -> int:
-    return int(time.time())

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from deltaserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from deltaserve.entrypoints.openai.errors import OpenAIError
 from deltaserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    now_s,
 )
 from deltaserve.entrypoints.openai.serving_common import (
     ServingContext,
@@ -23,28 +23,19 @@ from deltaserve.entrypoints.openai.serving_common import (
     collect_outputs,
     make_usage,
     new_id,
-    now_s,
     plan_sub_requests,
     sse,
+    sse_response,
     stream_deltas,
 )
 from deltaserve.outputs import Logprob, RequestOutput
-
-
-def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """A string or a flat list of ids is one prompt; a list of strings or of id lists is several."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
 
 
 def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], text_offset: int,
                         ) -> tuple[CompletionLogProbs, int]:
     """OpenAI's legacy logprobs for these tokens: each sampled token's text and logprob, the top
     alternatives by text, and each token's character offset. Returns them and the next offset."""
-    result = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    result = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry[token_id]
         token = sampled.decoded_token or ""
@@ -65,13 +56,10 @@ class CompletionHandler:
         if body.echo and body.logprobs is not None:
             raise OpenAIError("echo with logprobs needs prompt logprobs, which are not supported yet", 400,
                               param="echo")
-        try:
-            params = body.to_sampling_params(None, self.ctx.max_logprobs)
-        except ValueError as e:
-            raise from_value_error(e) from e
+        params = self.ctx.sampling_params(body)
         request_id = new_id("cmpl")
-        prompts = _prompt_list(body.prompt)
-        planned = await plan_sub_requests(self.ctx, request_id, prompts, params, body.n, body.max_tokens, time.time())
+        planned = await plan_sub_requests(self.ctx, request_id, body.prompts, params, body.n, body.max_tokens,
+                                          time.time())
         echo_texts = {}
         if body.echo:
             tokenizer = self.ctx.engine.tokenizer
@@ -80,10 +68,8 @@ class CompletionHandler:
                     text = tokenizer.decode(core.prompt_token_ids)
                 echo_texts[choice] = text or ""
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(request_id, model, planned, body.n, echo_texts, include_usage,
-                                  body.return_token_ids)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return sse_response(self._stream(request_id, model, planned, body.n, echo_texts, body.include_usage,
+                                             body.return_token_ids))
 
         async def work() -> CompletionResponse:
             finals = await collect_outputs(self.ctx, planned)
@@ -108,37 +94,32 @@ class CompletionHandler:
                 prompt_token_ids=list(finals[choice].prompt_token_ids) if with_token_ids else None,
                 token_ids=list(completion.token_ids) if with_token_ids else None,
             ))
-        return CompletionResponse(id=request_id, created=now_s(), model=model, choices=choices,
-                                  usage=make_usage(finals, n))
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage(finals, n))
 
     async def _stream(self, request_id: str, model: str, planned: list, n: int, echo_texts: dict[int, str],
-                      include_usage: bool, with_token_ids: bool) -> AsyncIterator[str]:
+                      include_usage: bool, with_token_ids: bool) -> AsyncGenerator[str, None]:
         created = now_s()
         offsets: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
-        try:
-            async for d in stream_deltas(self.ctx, planned, finals):
-                completion = d.output.outputs[0]
-                text = d.text
-                if d.first:
-                    text = echo_texts.get(d.choice, "") + text
-                    offsets[d.choice] = len(echo_texts.get(d.choice, ""))
-                logprobs = None
-                if d.logprobs is not None:
-                    logprobs, offsets[d.choice] = completion_logprobs(d.logprobs, d.token_ids, offsets[d.choice])
-                new_ids = with_token_ids and bool(d.token_ids)
-                if not text and not d.output.finished and logprobs is None and not new_ids:
-                    continue
-                choice = CompletionResponseChoice(
-                    index=d.choice, text=text, logprobs=logprobs,
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                    prompt_token_ids=list(d.output.prompt_token_ids) if with_token_ids and d.first else None,
-                    token_ids=list(d.token_ids) if with_token_ids else None,
-                )
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
-            if include_usage:
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                   usage=make_usage(finals, n)))
-        except OpenAIError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-        yield "data: [DONE]\n\n"
+        async for d in stream_deltas(self.ctx, planned, finals):
+            completion = d.output.outputs[0]
+            text = d.text
+            if d.first:
+                text = echo_texts.get(d.choice, "") + text
+                offsets[d.choice] = len(echo_texts.get(d.choice, ""))
+            logprobs = None
+            if d.logprobs is not None:
+                logprobs, offsets[d.choice] = completion_logprobs(d.logprobs, d.token_ids, offsets[d.choice])
+            new_ids = with_token_ids and bool(d.token_ids)
+            if not text and not d.output.finished and logprobs is None and not new_ids:
+                continue
+            choice = CompletionResponseChoice(
+                index=d.choice, text=text, logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                prompt_token_ids=list(d.output.prompt_token_ids) if with_token_ids and d.first else None,
+                token_ids=list(d.token_ids) if with_token_ids else None,
+            )
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
+        if include_usage:
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                               usage=make_usage(finals, n)))
