@@ -97,12 +97,6 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from deltaserve.bench.serve.cli import run_from_args
-
-    return run_from_args(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve hybrid linear-attention LLMs.")
     parser.add_argument("--log-level", default=None, help="DEBUG | INFO | WARNING (default: INFO for serve)")
@@ -152,13 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sim.add_argument("options", nargs="*", help="--trace, --kv-blocks, --intervals, --max-requests, ...")
-    from deltaserve.bench.serve.cli import add_arguments as add_bench_serve_arguments
+    from deltaserve.bench.serve import cli as bench_serve_cli
 
     bench_serve = bench_sub.add_parser(
         "serve", help="a serving benchmark (agentic sessions, Mooncake trace, random) against any OpenAI server",
     )
-    add_bench_serve_arguments(bench_serve)
-    bench_serve.set_defaults(func=_cmd_bench_serve)
+    bench_serve_cli.add_arguments(bench_serve)
+    bench_serve.set_defaults(func=bench_serve_cli.run_from_args)
     return parser
 
 

@@ -25,7 +25,7 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 
-from deltaserve.bench.mooncake import TRACE_BLOCK, TraceRecord, read_trace
+from deltaserve.bench.mooncake import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from deltaserve.bench.prefix_oracle import InfinitePrefixCache
 from deltaserve.core.checkpoint_pool import CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
@@ -37,12 +37,13 @@ from deltaserve.core.state_pool import StateSlotPool
 
 SAMPLED_TOKEN = -1  # never a prompt token (prompt tokens are >= 0)
 
+
 def prompt_token_ids(record: TraceRecord) -> list[int]:
     """Token ids of the prompt: block i is derived from hash_ids[i] alone, truncated to input_length."""
     tokens: list[int] = []
     for h in record.hash_ids:
-        base = h * TRACE_BLOCK
-        tokens.extend(range(base, base + TRACE_BLOCK))
+        base = h * TRACE_BLOCK_TOKENS
+        tokens.extend(range(base, base + TRACE_BLOCK_TOKENS))
     return tokens[: record.input_length]
 
 
@@ -52,8 +53,8 @@ def oracle_hit_tokens(records: Sequence[TraceRecord]) -> list[int]:
     cache = InfinitePrefixCache()
     hits = []
     for r in records:
-        hits.append(cache.match(r.hash_ids, (r.input_length - 1) // TRACE_BLOCK) * TRACE_BLOCK)
-        cache.insert(r.hash_ids[: r.input_length // TRACE_BLOCK])
+        hits.append(cache.hit_tokens(r.hash_ids, r.input_length, TRACE_BLOCK_TOKENS))
+        cache.insert(r.hash_ids[: r.input_length // TRACE_BLOCK_TOKENS])
     return hits
 
 
@@ -89,7 +90,7 @@ def run_cache_sim(
     if records is None:
         records = read_trace(trace_path, max_requests)
     started = time.perf_counter()
-    spec = MLALatentSpec(block_size=TRACE_BLOCK, num_layers=1, latent_dim=1, dtype_bytes=1)
+    spec = MLALatentSpec(block_size=TRACE_BLOCK_TOKENS, num_layers=1, latent_dim=1, dtype_bytes=1)
     kv = KVCacheManager(spec, kv_blocks, enable_prefix_caching=True)
     checkpoints = CheckpointPool(checkpoint_units, unit_bytes=1, image_bytes=1)
     prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval)
@@ -195,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         raise SystemExit(f"--checkpoint-units={args.checkpoint_units} needs one value per --kv-blocks={args.kv_blocks}")
     records = read_trace(args.trace, args.max_requests)
     print(
-        f"trace={args.trace} requests={len(records)} block_size={TRACE_BLOCK} "
+        f"trace={args.trace} requests={len(records)} block_size={TRACE_BLOCK_TOKENS} "
         f"max_tokens=min(output_length, {args.max_output_tokens}) concurrency={args.concurrency} "
         "one checkpoint = one unit (unit-sized image); arrivals in trace order under the concurrency limit"
     )

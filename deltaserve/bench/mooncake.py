@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
+TRACE_BLOCK_TOKENS = 512  # tokens per Mooncake hash id
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ class InfinitePrefixCache:
             node, n = child, n + 1
         return n
 
+    def hit_tokens(self, keys: Sequence[Hashable], num_prompt_tokens: int, block_size: int) -> int:
+        """Tokens of a prompt (`keys` those of its blocks of `block_size` tokens) an earlier `insert` could
+        serve: its leading blocks already held, never covering its last token (that one is computed)."""
+        return self.match(keys, (num_prompt_tokens - 1) // block_size) * block_size
+
     def insert(self, keys: Sequence[Hashable]) -> None:
         """Remember every leading run of `keys`."""
         node = 0

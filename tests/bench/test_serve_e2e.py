@@ -10,6 +10,7 @@ import json
 import pytest
 
 from deltaserve.bench.serve.agentic import AgenticConfig, AgenticWorkload
+from deltaserve.bench.serve.runner import split_evenly
 from deltaserve.bench.serve.workloads import RandomConfig, RandomWorkload
 from deltaserve.cli import main
 
@@ -105,8 +106,7 @@ def _expected_agentic(workload: AgenticWorkload, level: int, concurrency: int, n
     """The (prompt length, max_tokens) of every request the runner sends: slot i runs sessions
     i, i + C, ... until its share of num_requests is spent (answers do not change lengths)."""
     expected = []
-    for slot in range(concurrency):
-        quota = num_requests // concurrency + (1 if slot < num_requests % concurrency else 0)
+    for slot, quota in enumerate(split_evenly(num_requests, concurrency)):
         sent = 0
         for k in itertools.count():
             if sent >= quota:

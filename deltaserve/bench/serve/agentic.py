@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from deltaserve.bench.serve import tokens
 from deltaserve.bench.serve.records import RequestSpec
+from deltaserve.bench.serve.workloads import Workload
 
 
 @dataclass(frozen=True)
@@ -61,19 +62,16 @@ class AgenticConfig:
         return bust + self.system_prompt_len + self.tool_definitions_len + self.user_prompt_len
 
 
-class AgenticWorkload:
+class AgenticWorkload(Workload):
     """Sessions of one run; `target_context_len` is the configured target capped at the server's limit."""
 
     name = "agentic"
     mode = "sessions"
-    size = None  # endless
 
     def __init__(self, config: AgenticConfig, vocab_size: int, seed: int, salt: int, max_model_len: int | None,
                  ) -> None:
+        super().__init__(vocab_size, seed, salt)
         self.config = config
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.salt = salt
         target = config.target_context_len
         self.target_context_len = target if max_model_len is None else min(target, max_model_len)
         first_turn = config.first_prompt_len + config.answer_len[1]
@@ -92,7 +90,7 @@ class AgenticWorkload:
     def shared_prefix(self, level: int) -> list[int]:
         """System prompt + tool definitions of one level (the same for all its sessions)."""
         if level not in self._shared:
-            c, ns = self.config, tokens.Namespace(self.seed, self.salt, level)
+            c, ns = self.config, self.namespace(level)
             system = ns.tokens(self.vocab_size, c.system_prompt_len, tokens.SYSTEM_PROMPT)
             tools = ns.tokens(self.vocab_size, c.tool_definitions_len, tokens.TOOL_DEFINITIONS)
             self._shared[level] = system + tools
@@ -104,13 +102,13 @@ class AgenticWorkload:
 
 class AgenticSession:
     """One session: `next_request()`, then `add_turn()` with the answer, then `think_time()`, until
-    `next_request()` returns None (the target is reached) or `end()` is called (a turn failed)."""
+    `next_request()` returns None (the target is reached); after a failed turn the runner drops it."""
 
     def __init__(self, workload: AgenticWorkload, level: int, session_id: int) -> None:
         self.workload = workload
         self.session_id = session_id
         c, vocab = workload.config, workload.vocab_size
-        self._namespace = tokens.Namespace(workload.seed, workload.salt, level)
+        self._namespace = workload.namespace(level)
         self._lengths = self._namespace.length_rng(tokens.SESSION, session_id)
         self._tokens = self._namespace.token_rng(tokens.SESSION, session_id)
         bust = tokens.random_tokens(self._tokens, vocab, c.cache_bust_len) if c.cache_bust else []
@@ -131,22 +129,21 @@ class AgenticSession:
         self.turn += 1
         return RequestSpec(list(self.context), answer_len, session_id=self.session_id, turn=self.turn)
 
-    def add_turn(self, answer_ids: list[int] | None, answer_len: int) -> None:
+    def add_turn(self, answer_ids: list[int] | None, answer_len: int) -> bool:
         """Append the answer (the server's ids when it returned all `answer_len` of them, else synthetic
-        ids of that length) and a tool result."""
+        ids of that length) and a tool result; whether the server's ids were used."""
         vocab = self.workload.vocab_size
-        if answer_ids is not None and len(answer_ids) == answer_len:
+        from_server = answer_ids is not None and len(answer_ids) == answer_len
+        if from_server:
             answer = answer_ids
         else:  # keyed apart from the session's generators, so what follows does not depend on the server
             answer = self._namespace.tokens(vocab, answer_len, tokens.SESSION_ANSWER, self.session_id, self.turn)
         lo, hi = self.workload.config.tool_result_len
         tool_result = tokens.random_tokens(self._tokens, vocab, int(self._lengths.integers(lo, hi + 1)))
         self.context = self.context + answer + tool_result
+        return from_server
 
     def think_time(self) -> float:
         """Seconds the agent spends before its next turn (running the tool, in a real agent)."""
         lo, hi = self.workload.config.think_time_s
         return float(self._lengths.uniform(lo, hi)) if hi > 0 else 0.0
-
-    def end(self) -> None:
-        self.done = True

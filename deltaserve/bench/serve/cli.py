@@ -56,12 +56,13 @@ def _json_object(text: str) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `deltaserve bench serve` (shared by `deltaserve.cli` and `main`)."""
+    b = BenchConfig()
     a = AgenticConfig()
     r = RandomConfig()
     run = parser.add_argument_group("run")
-    run.add_argument("--base-url", default="http://127.0.0.1:8000",
+    run.add_argument("--base-url", default=b.base_url,
                      help="the server's root URL (a trailing /v1 is fine)")
-    run.add_argument("--endpoint", default="/v1/completions", help="the completions route (prompts go as token ids)")
+    run.add_argument("--endpoint", default=b.endpoint, help="the completions route (prompts go as token ids)")
     run.add_argument("--model", default=None, help="the model name to send (default: the first in /v1/models)")
     run.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (or $OPENAI_API_KEY)")
     run.add_argument("--workload", choices=WORKLOADS, default="random")
@@ -70,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--num-requests", type=int, default=None,
                      help=f"requests per level (default: {REQUESTS_PER_SLOT} x concurrency, unless --duration)")
     run.add_argument("--duration", type=float, default=None, help="seconds per level: no request is sent after it")
-    run.add_argument("--num-gpus", type=int, default=1, help="GPUs behind the server, for the per-GPU throughput")
-    run.add_argument("--seed", type=int, default=0, help="fixes every length drawn (so the token totals)")
+    run.add_argument("--num-gpus", type=int, default=b.num_gpus,
+                     help="GPUs behind the server, for the per-GPU throughput")
+    run.add_argument("--seed", type=int, default=b.seed, help="fixes every length drawn (so the token totals)")
     run.add_argument("--salt", type=int, default=None,
                      help="fixes the token ids too (default: a fresh salt per run, so a rerun is not served from "
                           "the cache the last one left; the JSON records it)")
@@ -83,13 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "required for other servers)")
     run.add_argument("--max-model-len", type=int, default=None,
                      help="the context limit the client plans for (default: the server's, from /v1/models)")
-    run.add_argument("--request-timeout", type=float, default=3600.0,
+    run.add_argument("--request-timeout", type=float, default=b.request_timeout_s,
                      help="seconds without a byte before a request fails")
-    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (vLLM bench's default)")
+    run.add_argument("--temperature", type=float, default=b.temperature, help="0 is greedy (vLLM bench's default)")
     run.add_argument("--no-return-token-ids", dest="return_token_ids", action="store_false",
                      help="do not send vLLM's return_token_ids (for servers that refuse it)")
     run.add_argument("--extra-body", type=_json_object, default={}, help="JSON fields added to every request")
-    run.add_argument("--oracle-block-size", type=int, default=16,
+    run.add_argument("--oracle-block-size", type=int, default=b.oracle_block_size,
                      help="block size of the infinite-cache oracle (default 16, deltaserve's and vLLM's)")
     run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 

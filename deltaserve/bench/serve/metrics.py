@@ -56,7 +56,7 @@ def oracle_hit_tokens(records: Sequence[RequestRecord], block_size: int) -> int:
     cache = InfinitePrefixCache()
     hit = 0
     for r in sorted(records, key=lambda r: r.send_time):
-        hit += cache.match(r.block_keys, (r.prompt_len - 1) // block_size) * block_size
+        hit += cache.hit_tokens(r.block_keys, r.prompt_len, block_size)
         cache.insert(r.block_keys)
     return hit
 

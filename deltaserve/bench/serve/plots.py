@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deltaserve.bench.serve.report import lookup
@@ -97,16 +97,16 @@ def write_plots(document: dict, out_dir: str) -> list[str]:
     config = document["config"]
     subtitle = f"{config['workload']} workload, {config['model']}, {config['num_gpus']} GPU(s)"
     paths = []
-    for chart in charts(document):
+    document_charts = charts(document)
+    for chart in document_charts:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-        _draw(ax, Chart(chart.name, f"{chart.title}\n{subtitle}", chart.ylabel, chart.lines, chart.percent),
-              concurrency)
+        _draw(ax, replace(chart, title=f"{chart.title}\n{subtitle}"), concurrency)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, chart.name))
         fig.savefig(paths[-1])
         plt.close(fig)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), dpi=100)
-    for ax, chart in zip(axes, charts(document), strict=True):
+    for ax, chart in zip(axes, document_charts, strict=True):
         _draw(ax, chart, concurrency)
     fig.suptitle(subtitle, fontsize=11)
     fig.tight_layout()

@@ -201,10 +201,8 @@ class Runner:
                 record = await self._send(spec)
                 sent += 1
                 if not record.ok:
-                    session.end()
-                    break
-                session.add_turn(record.output_token_ids, spec.max_tokens)
-                if record.output_token_ids is not None and len(record.output_token_ids) == spec.max_tokens:
+                    break  # the session ends with its failed turn
+                if session.add_turn(record.output_token_ids, spec.max_tokens):
                     self._stats["answers_from_server"] += 1
                 think = session.think_time()
                 if think > 0:

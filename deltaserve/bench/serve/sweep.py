@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import signal
 from collections.abc import Iterator
@@ -103,8 +104,7 @@ async def run_sweep(config: BenchConfig, observer: Observer | None = None,
     return {
         "config": described,
         "workload": workload.describe(),
-        "server": {"model_ids": info.model_ids, "max_model_len": info.max_model_len,
-                   "vocab_size": info.vocab_size, "version": info.version},
+        "server": dataclasses.asdict(info),
         "environment": report.environment(),
         "interrupted": stop.is_set(),
         "levels": levels,

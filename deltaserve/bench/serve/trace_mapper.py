@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import functools
 
-from deltaserve.bench.mooncake import TRACE_BLOCK, TraceRecord
+from deltaserve.bench.mooncake import TRACE_BLOCK_TOKENS, TraceRecord
 from deltaserve.bench.serve import tokens
 
 
 class TraceTokenMapper:
     """Token blocks for hash ids, a pure function of (vocab_size, namespace, hash id)."""
 
-    def __init__(self, vocab_size: int, namespace: tokens.Namespace, block_size: int = TRACE_BLOCK) -> None:
+    def __init__(self, vocab_size: int, namespace: tokens.Namespace, block_size: int = TRACE_BLOCK_TOKENS) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size={vocab_size} must be at least 2 for distinct trace blocks")
         self.vocab_size = vocab_size

@@ -1,4 +1,5 @@
-"""The independent-request workloads, random and trace, as streams of `RequestSpec`s.
+"""The independent-request workloads, random and trace, as streams of `RequestSpec`s, and `Workload`,
+what they and the agentic workload share.
 
 A workload's `mode` tells the runner how to send: "queue" (keep `concurrency` requests in flight,
 taking the next as one finishes), "timestamps" (send each at its `arrival_s`, at most `concurrency`
@@ -19,6 +20,23 @@ from deltaserve.bench.serve.records import RequestSpec
 from deltaserve.bench.serve.trace_mapper import TraceTokenMapper
 
 TRACE_REPLAY_MODES = ("timestamps", "concurrency")
+
+
+class Workload:
+    """What every workload draws with: the served vocabulary, and the run's seed and salt (see `tokens`)."""
+
+    name: str
+    mode: str
+    size: int | None = None  # requests per level; None: endless
+
+    def __init__(self, vocab_size: int, seed: int, salt: int) -> None:
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.salt = salt
+
+    def namespace(self, level: int) -> tokens.Namespace:
+        """The keys of one concurrency level's draws."""
+        return tokens.Namespace(self.seed, self.salt, level)
 
 
 @dataclass(frozen=True)
@@ -45,19 +63,16 @@ class RandomConfig:
         return max(1, int(length * (1 - self.range_ratio))), int(length * (1 + self.range_ratio))
 
 
-class RandomWorkload:
+class RandomWorkload(Workload):
     """Request i of a level: its lengths keyed by (seed, level, i), its tokens also by the salt."""
 
     name = "random"
     mode = "queue"
-    size = None  # endless
 
     def __init__(self, config: RandomConfig, vocab_size: int, seed: int, salt: int, max_model_len: int | None,
                  ) -> None:
+        super().__init__(vocab_size, seed, salt)
         self.config = config
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.salt = salt
         longest = config.prefix_len + config.bounds(config.input_len)[1] + config.bounds(config.output_len)[1]
         if max_model_len is not None and longest > max_model_len:
             raise ValueError(
@@ -72,7 +87,7 @@ class RandomWorkload:
     def requests(self, level: int) -> Iterator[RequestSpec]:
         """Endless; request i has the same lengths in every run with the same seed."""
         c = self.config
-        ns = tokens.Namespace(self.seed, self.salt, level)
+        ns = self.namespace(level)
         prefix = ns.tokens(self.vocab_size, c.prefix_len, tokens.RANDOM_PREFIX)
         in_lo, in_hi = c.bounds(c.input_len)
         out_lo, out_hi = c.bounds(c.output_len)
@@ -102,17 +117,15 @@ class TraceConfig:
             raise ValueError(f"--trace-max-output-len={self.max_output_len} must be at least 1")
 
 
-class TraceWorkload:
+class TraceWorkload(Workload):
     """The trace's records in timestamp order, minus those that do not fit the server (counted as skipped)."""
 
     name = "trace"
 
     def __init__(self, config: TraceConfig, vocab_size: int, seed: int, salt: int, max_model_len: int | None,
                  records: list[TraceRecord] | None = None) -> None:
+        super().__init__(vocab_size, seed, salt)
         self.config = config
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.salt = salt
         self.mode = "timestamps" if config.replay == "timestamps" else "queue"
         all_records = read_trace(config.path) if records is None else records
         if not all_records:
@@ -135,7 +148,7 @@ class TraceWorkload:
 
     def requests(self, level: int) -> Iterator[RequestSpec]:
         """Each record once, in order; arrival_s counts from the first record's timestamp."""
-        mapper = TraceTokenMapper(self.vocab_size, tokens.Namespace(self.seed, self.salt, level))
+        mapper = TraceTokenMapper(self.vocab_size, self.namespace(level))
         start = self.records[0].timestamp
         for r in self.records:
             arrival = (r.timestamp - start) / 1000.0 * self.config.time_scale
