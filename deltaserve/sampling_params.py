@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# longest stop string accepted: the detokenizer compares up to this many characters per stop string
+# and new token, so the limit keeps the per-token work bounded
+MAX_STOP_STRING_CHARS = 4096
 
 
 def _is_int(value: object) -> bool:
@@ -18,6 +21,26 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def stop_string_error(where: str, stop: object) -> str | None:
+    """Why `stop` cannot be a stop string, as a message naming it `where` ("stop[2]"); None if it can.
+
+    Shared by SamplingParams and the OpenAI request validation so both refuse the same strings.
+    """
+    if not isinstance(stop, str) or not stop:
+        return f"{where}={stop!r}: stop strings must be non-empty strings"
+    if len(stop) > MAX_STOP_STRING_CHARS:
+        return (
+            f"{where} is {len(stop)} characters long; stop strings may be at most "
+            f"{MAX_STOP_STRING_CHARS} characters"
+        )
+    try:
+        stop.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # JSON can carry lone UTF-16 surrogates ("\\ud800"), which no generated text can contain
+        return f"{where}: the text is not valid Unicode (a lone surrogate {stop[e.start]!a} at character {e.start})"
+    return None
 
 
 @dataclass
@@ -31,8 +54,8 @@ class SamplingParams:
     seed: per-request seed; seeded requests are reproducible whatever they are batched with.
     max_tokens: tokens to generate at most; None means up to max_model_len (resolved by the engine).
     min_tokens: EOS, stop token ids and stop strings are ignored until this many tokens exist.
-    stop: strings that end generation; the text is cut before the match
-        (or after it, with include_stop_str_in_output).
+    stop: strings that end generation (each non-empty, at most 4096 characters, valid Unicode); the
+        text is cut before the match (or after it, with include_stop_str_in_output).
     stop_token_ids: tokens that end generation besides EOS; the token stays in token_ids.
     logprobs: return this many top logprobs per generated token, plus the sampled token's (0..20).
     detokenize: False skips text entirely (text is "", stop strings are not checked).
@@ -94,8 +117,9 @@ class SamplingParams:
         ):
             raise ValueError(f"logprobs={self.logprobs!r} must be an int in [0, {MAX_LOGPROBS}] or None")
         for i, s in enumerate(self.stop):
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}]={s!r}: stop strings must be non-empty strings")
+            message = stop_string_error(f"stop[{i}]", s)
+            if message is not None:
+                raise ValueError(message)
         for i, t in enumerate(self.stop_token_ids):
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids[{i}]={t!r} must be a non-negative int")
@@ -104,10 +128,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax at every step."""
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def stop_buffer_length(self) -> int:
-        """Characters a streamed delta holds back because they could be the start of a stop string."""
-        if not self.stop or self.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in self.stop) - 1

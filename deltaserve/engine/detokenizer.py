@@ -6,6 +6,9 @@ only once it no longer ends in U+FFFD. With byte-level BPE one character can spa
 its bytes are held back until the character is complete, so the streamed text equals the full
 decode.
 
+While running, streamed text stops short of the longest tail of the text that is a proper prefix of
+some stop string, since a match would cut it off; once streamed, text is never taken back.
+
 Without a tokenizer (token-id-only use) the text stays "" and stop strings are ignored: they can
 only be matched against text.
 """
@@ -37,7 +40,13 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.stop_string: str | None = None
         self._last_output_text_offset = 0
-        self._stop_buffer_length = params.stop_buffer_length if self.stop else 0
+        # with include_stop_str_in_output a match cuts after the stop string, which ends in the update
+        # that finds it, so past anything streamed: nothing need be held back
+        self._holds_back = bool(self.stop) and not params.include_stop_str_in_output
+        # per stop string: the longest tail of output_text that is a proper prefix of it
+        self._stop_prefix_lengths = [0] * len(self.stop)
+        # output_text[:_stream_end] can be streamed while running; it only grows
+        self._stream_end = 0
         # decode window: tokens[prefix_offset:read_offset] is text already emitted,
         # tokens[read_offset:] is held back until it decodes to complete characters
         self._tokens: list[str] = []
@@ -68,23 +77,27 @@ class IncrementalDetokenizer:
             return None
         if stop_terminated and new_token_ids and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
-        check_from = len(self.output_text)
+        old_length = len(self.output_text)
         for token_id in new_token_ids:
             self.output_text += self._decode_next(token_id)
-        if not self.stop or self.num_output_tokens <= self.params.min_tokens:
-            return None
-        return self._check_stop_strings(len(self.output_text) - check_from)
+        stop = None
+        if self.stop and self.num_output_tokens > self.params.min_tokens:
+            stop = self._check_stop_strings(len(self.output_text) - old_length)
+        if stop is not None or not self._holds_back:
+            self._stream_end = len(self.output_text)  # after a match the (cut) text is final
+        else:
+            self._stream_end = len(self.output_text) - self._longest_stop_prefix(old_length)
+        return stop
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to stream now: all of it, or (delta) only what is new since the last call.
 
-        While running, the last len(longest stop) - 1 characters are held back, since they may be the
-        start of a stop string that will be cut off.
+        While running, the longest tail of the text that is a proper prefix of some stop string is held
+        back, since a match would cut it off; the text returned only ever grows.
         """
-        buffer = 0 if finished else self._stop_buffer_length
-        end = len(self.output_text) - buffer
+        end = len(self.output_text) if finished else self._stream_end
         if not delta:
-            return self.output_text[:end] if buffer else self.output_text
+            return self.output_text[:end]
         start = self._last_output_text_offset
         if start < end:
             self._last_output_text_offset = end
@@ -130,6 +143,37 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         return new_text[len(prefix_text) :]
+
+    # Stop strings ----------------------------------------------------------------------------
+    def _longest_stop_prefix(self, old_length: int) -> int:
+        """Length of the longest tail of output_text that is a proper prefix of some stop string.
+
+        old_length: len(output_text) before this update. Each stop string's tail is searched for from
+        where its previous one began, so over a request each position is rejected at most once per
+        stop string: per update, about one try per new character, each comparing fewer than len(stop)
+        characters.
+        """
+        lengths = self._stop_prefix_lengths
+        for i, stop in enumerate(self.stop):
+            lengths[i] = self._stop_prefix_length(stop, old_length - lengths[i])
+        return max(lengths)
+
+    def _stop_prefix_length(self, stop: str, earliest: int) -> int:
+        """Length of the longest tail of output_text that is a proper prefix of `stop`, or 0.
+
+        earliest: where the previous such tail began. The part of the new tail that lies in the old
+        text was such a tail then (or is empty), so the new one cannot begin earlier. A position that
+        fails is never tried again, and each try compares fewer than len(stop) characters.
+        """
+        text = self.output_text
+        start = max(earliest, len(text) - len(stop) + 1, 0)
+        first = stop[0]
+        position = text.find(first, start)
+        while position != -1:
+            if stop.startswith(text[position:]):
+                return len(text) - position
+            position = text.find(first, position + 1)
+        return 0
 
     def _check_stop_strings(self, new_char_count: int) -> str | None:
         text = self.output_text

@@ -19,7 +19,7 @@ from deltaserve.entrypoints.openai.protocol import (
     format_validation_error,
     format_validation_errors,
 )
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -187,6 +187,38 @@ def test_stop_and_stop_token_ids():
     assert "stop[1]" in _completion_error(stop=["a", ""])[0]
     assert _completion_error(stop=["a"] * 65)[1] == "stop"
     assert _completion_error(stop_token_ids=[1, -1])[1] == "stop_token_ids.1"
+
+
+@pytest.mark.parametrize("error", [_completion_error, _chat_error])
+@pytest.mark.parametrize(
+    "stop, where",
+    [("ok\ud800", "stop"), (["ok", "a\udfffb"], "stop[1]"), (["\ud83d"], "stop[0]")],
+)
+def test_stop_string_with_a_lone_surrogate_is_refused(error, stop, where):
+    message, param = error(stop=stop)
+    assert param == "stop"
+    assert message.startswith(f"{where}: the text is not valid Unicode (a lone surrogate")
+    assert CompletionRequest.model_validate({"prompt": "x", "stop": ["\U0001f389"]}).stop == ["\U0001f389"]
+
+
+@pytest.mark.parametrize("error", [_completion_error, _chat_error])
+def test_stop_string_length_is_capped(error):
+    assert CompletionRequest.model_validate({"prompt": "x", "stop": "x" * MAX_STOP_STRING_CHARS}).stop
+    message, param = error(stop=["a", "x" * (MAX_STOP_STRING_CHARS + 1)])
+    assert param == "stop"
+    assert message == (
+        f"stop[1] is {MAX_STOP_STRING_CHARS + 1} characters long; "
+        f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters"
+    )
+    assert error(stop="x" * (MAX_STOP_STRING_CHARS + 1))[0].startswith("stop is ")
+
+
+@pytest.mark.parametrize("stop", ["ok\ud800", "x" * (MAX_STOP_STRING_CHARS + 1), ""])
+def test_sampling_params_refuse_the_same_stop_strings(stop):
+    """The offline API refuses what the server refuses, with the same message."""
+    with pytest.raises(ValueError) as info:
+        SamplingParams(stop=["fine", stop])
+    assert str(info.value) == _completion_error(stop=["fine", stop])[0]
 
 
 def test_min_tokens_above_max_tokens_rejected():

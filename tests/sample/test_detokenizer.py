@@ -3,6 +3,8 @@
 With one byte per token every non-ASCII character spans several tokens, the hard case for streaming.
 """
 
+import random
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -116,6 +118,99 @@ def test_streaming_holds_back_a_possible_stop_string(tokenizer):
             break
     assert streamed == detok.output_text == "hello "
     assert detok.get_next_output_text(finished=True, delta=False) == "hello "
+
+
+def held_back(text, stops):
+    """The reference: the longest tail of `text` that is a proper prefix of some stop string."""
+    return max((k for s in stops for k in range(len(s)) if k and text.endswith(s[:k])), default=0)
+
+
+def stream_chars(detok, tokenizer, text):
+    """Feed `text` one character at a time; return (stop, the text streamed after each character)."""
+    streamed, after_each = "", []
+    for ch in text:
+        stop = detok.update(encode(tokenizer, ch))
+        streamed += detok.get_next_output_text(finished=stop is not None, delta=True)
+        after_each.append(streamed)
+        if stop is not None:
+            return stop, after_each
+    return None, after_each
+
+
+def test_long_stop_string_holds_back_only_a_possible_start(tokenizer):
+    stop = "<" + "z" * 1500 + ">"
+    text = "no stop here, <zzz but not it, you"
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stop))
+    found, after_each = stream_chars(detok, tokenizer, text)
+    assert found is None
+    assert after_each[len("no stop here") - 1] == "no stop here"  # streamed long before the end
+    assert after_each[len("no stop here, <zzz") - 1] == "no stop here, "  # "<zzz" may still be the stop
+    assert after_each[-1] == text
+
+
+@pytest.mark.parametrize(
+    "stops, text, streamed",
+    [
+        (["STOP", "abc"], "xx ST", "xx "),
+        (["STOP", "abc"], "xx STa", "xx ST"),
+        (["STOP", "abc"], "xx STab", "xx ST"),
+        (["STOP", "abc"], "xx STabX", "xx STabX"),
+        (["aab"], "aaaa", "aa"),  # the tail "aa" overlaps the "a" before it
+        (["abac"], "xaba", "x"),
+        (["abac"], "xabab", "xab"),  # "abab" is no prefix, its tail "ab" is
+        (["你好!"], "a你好", "a"),
+    ],
+)
+def test_streaming_holds_back_the_longest_possible_stop_start(tokenizer, stops, text, streamed):
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stops))
+    found, after_each = stream_chars(detok, tokenizer, text)
+    assert found is None and after_each[-1] == streamed
+    assert detok.get_next_output_text(finished=False, delta=False) == streamed
+
+
+def test_nothing_is_held_back_when_the_stop_string_is_kept(tokenizer):
+    params = SamplingParams(stop="STOP", include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    found, after_each = stream_chars(detok, tokenizer, "a STOP b")
+    assert found == "STOP" and after_each[len("a ST") - 1] == "a ST"
+    assert after_each[-1] == detok.output_text == "a STOP"
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_streamed_text_equals_the_final_text(tokenizer, seed):
+    """Random texts, stop strings, chunking, min_tokens: streamed deltas add up to the final text,
+    hold back exactly the longest possible start of a stop string, and never take text back."""
+    rng = random.Random(seed)
+    alphabet = "ab a你é"
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+    params = SamplingParams(
+        stop=stops, min_tokens=rng.randint(0, 5), include_stop_str_in_output=rng.random() < 0.3
+    )
+    ids = encode(tokenizer, text)
+    chunks, i = [], 0
+    while i < len(ids):
+        size = rng.randint(1, 4)
+        chunks.append(ids[i : i + size])
+        i += size
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    plain = IncrementalDetokenizer(tokenizer, [], params)  # the same updates, never streamed
+    deltas, cumulative = [], ""
+    for n, chunk in enumerate(chunks):
+        stop = detok.update(chunk)
+        assert plain.update(chunk) == stop
+        finished = stop is not None or n == len(chunks) - 1
+        deltas.append(detok.get_next_output_text(finished, delta=True))
+        now = detok.get_next_output_text(finished, delta=False)
+        assert now.startswith(cumulative) and now == "".join(deltas)  # nothing is taken back
+        cumulative = now
+        if not finished and not params.include_stop_str_in_output:
+            assert len(detok.output_text) - len(now) == held_back(detok.output_text, stops)
+        if finished:
+            break
+    final = plain.get_next_output_text(finished=True, delta=False)
+    assert final == plain.output_text == detok.output_text
+    assert "".join(deltas) == final
 
 
 def test_stop_terminated_token_text_is_left_out(tokenizer):

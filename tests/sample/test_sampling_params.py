@@ -89,12 +89,6 @@ def test_greedy_property():
     assert not SamplingParams(temperature=1e-4).greedy
 
 
-def test_stop_buffer_length():
-    assert SamplingParams(stop=["ab", "wxyz"]).stop_buffer_length == 3
-    assert SamplingParams(stop=["ab"], include_stop_str_in_output=True).stop_buffer_length == 0
-    assert SamplingParams().stop_buffer_length == 0
-
-
 def test_picklable():
     p = SamplingParams(temperature=0.7, top_k=5, stop="x", seed=3, logprobs=2)
     assert pickle.loads(pickle.dumps(p)) == p

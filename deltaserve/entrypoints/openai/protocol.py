@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, stop_string_error
 
 _MAX_INT32 = 2**31 - 1  # bound for token ids and token counts; the server checks the real limits
 _MAX_N = 128
@@ -115,15 +115,21 @@ class _SamplingRequest(_RequestModel):
     def _check_stop(cls, value: Any) -> Any:
         if value == "":
             raise _invalid("stop must not be an empty string; send null for no stop strings")
-        if value is None or isinstance(value, str):
+        if value is None:
             return value
-        if not isinstance(value, list):
+        if isinstance(value, str):
+            named = [("stop", value)]
+        elif not isinstance(value, list):
             raise _invalid(f"stop must be a string, a list of strings or null, not {_kind(value)}")
-        if len(value) > _MAX_STOP:
+        elif len(value) > _MAX_STOP:
             raise _invalid(f"stop has {len(value)} strings; at most {_MAX_STOP} are allowed")
-        for i, s in enumerate(value):
-            if not isinstance(s, str) or not s:
-                raise _invalid(f"stop[{i}]={s!r}: stop strings must be non-empty strings")
+        else:
+            named = [(f"stop[{i}]", s) for i, s in enumerate(value)]
+        for where, s in named:
+            # empty, longer than MAX_STOP_STRING_CHARS, or not valid Unicode (a lone surrogate)
+            message = stop_string_error(where, s)
+            if message is not None:
+                raise _invalid(message)
         return value
 
     @field_validator(*_NEUTRAL_PENALTIES, mode="after")
@@ -329,6 +335,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's extra chat fields
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
     _no_tools = field_validator("tools", mode="after")(_must_be_empty)
