@@ -84,6 +84,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes,
         log_stats_interval_s=args.log_stats_interval,
         log_level=args.log_level,
+        trust_request_chat_template=args.trust_request_chat_template,
+        health_stuck_timeout_s=args.health_stuck_timeout,
+        header_timeout_s=args.header_timeout,
+        cpu_work_timeout_s=args.cpu_work_timeout,
     )
     config = EngineConfig(model=args.model, seed=args.seed, **engine_options(args))
     return serve(config, options)
@@ -128,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20)
     srv.add_argument("--log-stats-interval", type=float, default=5.0,
                      help="seconds between throughput/cache log lines while busy (0: off)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept chat templates sent in requests (chat_template); refused with a 400 otherwise")
+    srv.add_argument("--health-stuck-timeout", type=float, default=60.0,
+                     help="seconds the engine core may spend in one step before /health answers 503")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection gets to send a request's headers before it is closed")
+    srv.add_argument("--cpu-work-timeout", type=float, default=10.0,
+                     help="seconds tokenizing a long prompt or rendering a chat template may take (else a 400)")
     srv.add_argument("--seed", type=int, default=0)
     add_engine_arguments(srv)
     srv.set_defaults(func=_cmd_serve)

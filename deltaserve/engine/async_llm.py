@@ -8,6 +8,10 @@ cumulative, so nothing is lost.
 
 Leaving `generate()` early (the client disconnected, the task was cancelled) aborts the request in
 the core, which frees its blocks, state slots and checkpoint pins.
+
+Liveness (with `WatchSettings`): a thread beats to the core so that a front end that dies has its
+requests aborted there, and an `EngineWatch` notices a core (or launcher) that is gone; then every
+open request fails with `EngineDeadError` and new ones are refused.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import pickle
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from deltaserve.engine.core import EngineCoreRequest
+from deltaserve.engine.engine_watch import EngineWatch, WatchSettings
+from deltaserve.engine.heartbeat import FrontendHeartbeat
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.processor import InputProcessor, ModelInfo, PromptInput
 from deltaserve.outputs import RequestOutput
@@ -63,14 +71,25 @@ class _Stream:
 class AsyncLLM:
     """Talks to one engine-core process. Create it inside the event loop that will use it."""
 
-    def __init__(self, address: str, info: ModelInfo, max_logprobs: int) -> None:
+    def __init__(self, address: str, info: ModelInfo, max_logprobs: int, watch: WatchSettings | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.info = info
         self.processor = InputProcessor(info, max_logprobs)
         self.output_processor = OutputProcessor(info.tokenizer)
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.frontend_id = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self.socket.setsockopt(zmq.ROUTING_ID, self.frontend_id)
         self.socket.connect(address)
+        self._on_dead = on_dead
+        self._beat_context: zmq.Context | None = None
+        self._heartbeat: FrontendHeartbeat | None = None
+        self.watch: EngineWatch | None = None
+        if watch is not None:
+            self._beat_context = zmq.Context()  # the beat thread's socket is a blocking one
+            self._heartbeat = FrontendHeartbeat(self._beat_context, address, self.frontend_id)
+            self.watch = EngineWatch(self.context, self.socket, watch, self.mark_dead)
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -89,10 +108,46 @@ class AsyncLLM:
     def start(self) -> None:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            if self._heartbeat is not None:
+                self._heartbeat.start()
+            if self.watch is not None:
+                self.watch.start()
+
+    def problem(self) -> str | None:
+        """None while the core is alive and making progress, else why not (what /health reports)."""
+        if self.dead is not None:
+            return str(self.dead)
+        return self.watch.problem() if self.watch is not None else None
+
+    def mark_dead(self, reason: str) -> None:
+        """The core is gone (or this server is stopping): fail every open request and refuse new ones."""
+        if self.dead is None:
+            self.dead = EngineDeadError(reason)
+        self.fail_all(reason)
+        if self._on_dead is not None:
+            self._on_dead(reason)
+
+    def fail_all(self, reason: str) -> None:
+        """End every open request and call with EngineDeadError(reason); a live core aborts them."""
+        request_ids = list(self._streams)
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        if self.dead is None:
+            self.abort_soon(request_ids)
+        else:
+            self._streams.clear()
+            self.output_processor.abort(request_ids)
 
     async def close(self) -> None:
-        if self._pending_sends:  # aborts still on their way out
-            await asyncio.gather(*self._pending_sends, return_exceptions=True)
+        if self._pending_sends:  # aborts still on their way out (queued at once while the core is there)
+            await asyncio.wait(self._pending_sends, timeout=1.0)
+        if self.watch is not None:
+            await self.watch.stop()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -102,6 +157,8 @@ class AsyncLLM:
             self._reader = None
         self.socket.close(0)
         self.context.term()
+        if self._beat_context is not None:
+            self._beat_context.term()
 
     # Sending ---------------------------------------------------------------------------------
     async def _send(self, message: tuple) -> None:
@@ -109,6 +166,8 @@ class AsyncLLM:
 
     async def call(self, name: str, timeout_s: float = 10.0) -> Any:
         """Ask the core for "ping", "stats" (its get_metrics() dict) or "metrics_text" (Prometheus)."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
         self.start()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
@@ -180,12 +239,12 @@ class AsyncLLM:
                 kind = message[0]
                 if kind == "outputs":
                     await self._on_outputs(message[1])
-                elif kind == "error":
+                elif kind in ("error", "aborted"):
                     _, request_id, text = message
                     self.output_processor.abort([request_id])
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
-                        stream.put(ValueError(text))
+                        stream.put(ValueError(text) if kind == "error" else EngineDeadError(text))
                 elif kind == "reply":
                     future = self._calls.get(message[1])
                     if future is not None and not future.done():
@@ -194,9 +253,7 @@ class AsyncLLM:
             raise
         except Exception as e:  # a broken socket or message: every waiting request fails, loudly
             logger.exception("front end: lost the engine core")
-            self.dead = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"lost the engine core: {e}"))
+            self.mark_dead(f"lost the engine core: {e}")
             raise
 
     async def _on_outputs(self, core_outputs: list) -> None:

@@ -5,15 +5,24 @@ between processes of one server on one host:
 
     front end -> core: ("add", EngineCoreRequest) | ("abort", [ids]) | ("stop", [ids])
                        | ("call", call_id, name)      name: "metrics_text" | "stats" | "ping"
+                       | ("heartbeat", frontend_id)   from the front end's heartbeat thread
     core -> front end: ("outputs", [EngineCoreOutput]) | ("error", request_id, message)
-                       | ("reply", call_id, result)
+                       | ("aborted", request_id, message) | ("reply", call_id, result)
+
+"error" refuses a request the core cannot take (the front end answers 400); "aborted" ends one the
+core gave up on (503).
+
+Liveness (heartbeat.py): a thread publishes the core's heartbeat at `heartbeat_address(address)`;
+the requests of a front end that has stopped beating are aborted, so a front end killed with
+streams open frees its blocks, slots and pins.
 
 "stop" finishes requests whose stop string a front end found (their state is filed for prefix
 caching); "abort" frees everything a request holds. The loop drains every message before each step,
 so an abort lands before the next schedule.
 
 SIGTERM ends the loop after the current step; SIGINT is ignored (the launcher that owns this process
-decides when it stops, after the front ends have drained). If the launcher dies, so does this.
+decides when it stops, after the front ends have drained). If the launcher dies, so does this, at
+the end of the step it is in.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import zmq
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.core.request import RequestStatus
 from deltaserve.engine.core import EngineCore, EngineCoreRequest
+from deltaserve.engine.heartbeat import CoreHeartbeat, FrontendRegistry
 from deltaserve.engine.processor import ModelInfo
 from deltaserve.metrics.prometheus import EngineMetrics
 from deltaserve.metrics.stats_logger import StatsLogger
@@ -39,6 +49,11 @@ from deltaserve.metrics.stats_logger import StatsLogger
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100
+
+
+def heartbeat_address(address: str) -> str:
+    """Where the core at `address` (ipc://DIR/core.sock) publishes its heartbeat."""
+    return address.rsplit("/", 1)[0] + "/heartbeat.sock"
 
 
 @dataclass
@@ -78,7 +93,14 @@ class EngineCoreProc:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
         self._owners: dict[str, bytes] = {}  # request id -> the front end that sent it
+        self._frontends = FrontendRegistry()
+        self._step_started: float | None = None
+        self.heartbeat = CoreHeartbeat(self.context, heartbeat_address(address), self._busy_for_s)
         self._stopping = False
+
+    def _busy_for_s(self) -> float:
+        started = self._step_started  # one read: the loop thread may clear it meanwhile
+        return 0.0 if started is None else time.monotonic() - started
 
     def request_stop(self, *_: Any) -> None:
         self._stopping = True
@@ -89,6 +111,10 @@ class EngineCoreProc:
 
     def _handle(self, identity: bytes, message: tuple) -> None:
         kind = message[0]
+        if kind == "heartbeat":
+            self._frontends.seen(message[1])
+            return
+        self._frontends.seen(identity)
         if kind == "add":
             request: EngineCoreRequest = message[1]
             try:
@@ -125,18 +151,39 @@ class EngineCoreProc:
             self._handle(identity, pickle.loads(payload))
             timeout_ms = 0
 
+    def _abort_silent_frontends(self) -> None:
+        """Abort the requests of front ends that stopped beating (killed, or hung)."""
+        gone = set(self._frontends.silent(set(self._owners.values())))
+        if not gone:
+            return
+        ids = [rid for rid, owner in self._owners.items() if owner in gone]
+        logger.error("engine core: %d API front end(s) stopped sending heartbeats; aborting their %d request(s)",
+                     len(gone), len(ids))
+        for rid in ids:
+            identity = self._owners.pop(rid)
+            self._send(identity, ("aborted", rid, "the engine core aborted this request: its API front end "
+                                                 "stopped sending heartbeats"))
+        self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.metrics.record_aborts(len(ids))
+
     # The loop --------------------------------------------------------------------------------
     def run(self, parent_pid: int | None = None) -> None:
+        self.heartbeat.start()
         while not self._stopping:
             busy = self.core.has_unfinished_requests()
             self._drain(0 if busy else _IDLE_POLL_MS)
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("engine core: the launcher is gone; exiting")
                 break
+            self._abort_silent_frontends()
             if not self.core.has_unfinished_requests():
                 self._maybe_log()
                 continue
-            outputs, stats = self.core.step()
+            self._step_started = time.monotonic()
+            try:
+                outputs, stats = self.core.step()
+            finally:
+                self._step_started = None
             self.metrics.record_step(stats)  # gauges and running totals are read at scrape time
             if self.stats_logger is not None:
                 self.stats_logger.record(stats)
@@ -163,6 +210,7 @@ class EngineCoreProc:
             logger.info("engine core: aborting %d unfinished request(s) at shutdown", len(live))
             self.core.finish_requests(live)
         self._owners.clear()
+        self.heartbeat.stop()
         self.socket.close(0)
         self.context.term()
         self.core.shutdown()

@@ -62,8 +62,19 @@ def _check_encodable(text: str) -> None:
         ) from None
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry. Byte-level BPE
+    entries hold one symbol per byte and SentencePiece entries one per character, so no token
+    decodes to more characters than its entry is long."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
 class InputProcessor:
-    """Turns (prompt, SamplingParams) into an `EngineCoreRequest`, or raises ValueError naming the field."""
+    """Turns (prompt, SamplingParams) into an `EngineCoreRequest`, or raises ValueError naming the field.
+
+    A text prompt longer than `max_prompt_chars` cannot fit in max_model_len tokens whatever it
+    tokenizes to, so it is refused before tokenization, whose time and memory grow with its length.
+    """
 
     def __init__(self, info: ModelInfo, max_logprobs: int) -> None:
         self.info = info
@@ -71,6 +82,17 @@ class InputProcessor:
         self.vocab_size = info.model_config.vocab_size
         self.max_model_len = info.max_model_len
         self.max_logprobs = max_logprobs
+        self.chars_per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else 0
+        self.max_prompt_chars = self.chars_per_token * (self.max_model_len - 1)
+
+    def check_text_length(self, text: str, field: str = "prompt") -> None:
+        """Refuse text too long to fit in the context as any tokenization of it (ValueError naming `field`)."""
+        if self.tokenizer is not None and len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"{field}: {len(text)} characters cannot fit in max_model_len={self.max_model_len} tokens (no "
+                f"token of this tokenizer is longer than {self.chars_per_token} characters, so at most "
+                f"{self.max_prompt_chars} fit); shorten the prompt"
+            )
 
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """A string, {"prompt_token_ids": [...]}, {"prompt": "..."} or a list of ids -> (text, ids)."""
@@ -82,6 +104,7 @@ class InputProcessor:
             else:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
+            self.check_text_length(prompt)
             _check_encodable(prompt)
             if self.tokenizer is None:
                 raise ValueError(
@@ -98,15 +121,15 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
-        vocab = self.vocab_size
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len:  # before the per-id checks, whose time grows with the length
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len="
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len"
             )
+        vocab = self.vocab_size
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
         for t in params.stop_token_ids or ():

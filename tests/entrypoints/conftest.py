@@ -11,8 +11,9 @@ API_KEY = "sk-deltaserve-test"
 
 @pytest.fixture(scope="session")
 def server():
-    """One front end, no API key, a 1 MiB body limit."""
-    with RemoteServer("--max-request-body-bytes", str(2**20), "--served-model-name", "tiny", "tiny-alias") as s:
+    """One front end, no API key, a 1 MiB body limit, a 2 s header-read timeout."""
+    with RemoteServer("--max-request-body-bytes", str(2**20), "--served-model-name", "tiny", "tiny-alias",
+                      "--header-timeout", "2") as s:
         yield s
 
 

@@ -13,6 +13,7 @@ import time
 import httpx
 
 _READY = re.compile(r"ready on (http://[^\s]+)")
+_PIDS = re.compile(r"engine core pid (\d+); API server pids ([\d, ]+)")
 
 
 class RemoteServer:
@@ -30,9 +31,9 @@ class RemoteServer:
 
     def __enter__(self) -> RemoteServer:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # a process group of its own, so stop() can end every process in it
             [sys.executable, "-m", "deltaserve.cli", "serve", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
         )
         threading.Thread(target=self._read_log, daemon=True).start()
         if not self._ready.wait(self.startup_timeout_s) or self.url is None:
@@ -66,6 +67,18 @@ class RemoteServer:
         return "".join(self.lines)
 
     @property
+    def pids(self) -> tuple[int, list[int]]:
+        """(engine core pid, API server pids), as the launcher logged them."""
+        match = _PIDS.search(self.log)
+        assert match, self.log
+        return int(match.group(1)), [int(p) for p in match.group(2).split(", ")]
+
+    @property
+    def port(self) -> int:
+        assert self.url is not None
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
@@ -83,13 +96,20 @@ class RemoteServer:
         return self.proc.wait(timeout_s)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGTERM the launcher and wait; then SIGKILL whatever is left of its process group."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -36,7 +36,7 @@ POST_EXAMPLES = 50
 GET_EXAMPLES = 5
 
 POSTS = ["/v1/completions", "/v1/chat/completions"]
-GETS = ["/health", "/version", "/metrics", "/v1/models"]
+GETS = ["/health", "/ping", "/version", "/metrics", "/v1/models"]
 # fields the server accepts only at a neutral value ("not supported yet"); servable cases leave them out
 UNSUPPORTED = ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "suffix", "best_of",
                "tools", "tool_choice", "response_format"]

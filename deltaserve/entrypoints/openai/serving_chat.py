@@ -25,6 +25,7 @@ from deltaserve.entrypoints.openai.protocol import (
     now_s,
 )
 from deltaserve.entrypoints.openai.serving_common import (
+    INLINE_WORK_CHARS,
     ServingContext,
     cancel_on_disconnect,
     collect_outputs,
@@ -37,10 +38,43 @@ from deltaserve.entrypoints.openai.serving_common import (
 )
 from deltaserve.outputs import Logprob, RequestOutput
 
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
-def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> str:
+
+def template_arguments(body: ChatCompletionRequest, trust_request_template: bool) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments for this request. A template of the request's own
+    (`chat_template`, or `chat_template_kwargs.chat_template`) is a 400 unless the operator trusts them."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None)
+    if body.chat_template is not None:
+        if template is not None:
+            raise OpenAIError("send the chat template once: chat_template or chat_template_kwargs.chat_template",
+                              400, param="chat_template")
+        template = body.chat_template
+    if template is not None and not trust_request_template:
+        raise OpenAIError(
+            "chat_template: this server does not accept chat templates in requests (the operator can allow them "
+            "with --trust-request-chat-template)", 400, param="chat_template",
+        )
+    if template is not None and not isinstance(template, str):
+        raise OpenAIError("chat_template must be a string", 400, param="chat_template")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise OpenAIError(f"chat_template_kwargs.{reserved[0]} is not allowed: the server sets it",
+                          400, param="chat_template_kwargs")
+    if template is not None:
+        kwargs["chat_template"] = template
+    return kwargs
+
+
+def render_chat(tokenizer: Any, body: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> str:
     """The prompt text the chat template makes of the messages; template failures are a 400."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None or not (getattr(tokenizer, "chat_template", None) or "chat_template" in template_kwargs):
         raise OpenAIError("this model has no chat template; use /v1/completions", 400, param="messages")
     conversation = []
     for message in body.messages:
@@ -54,10 +88,14 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> str:
             conversation, tokenize=False,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **template_kwargs,
         )
     except Exception as e:  # jinja errors, template-raised errors, bad kwargs: the request's fault
         raise OpenAIError(f"messages: the chat template failed: {e}", 400, param="messages") from e
+
+
+def _content_chars(body: ChatCompletionRequest) -> int:
+    return sum(len(message.text() or "") for message in body.messages)
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int) -> ChatCompletionLogProbs:
@@ -84,7 +122,7 @@ class ChatHandler:
     async def __call__(self, body: ChatCompletionRequest, raw_request: Request):
         model = self.ctx.resolve_model(body.model)
         params = self.ctx.sampling_params(body)
-        prompt = render_chat(self.ctx.engine.tokenizer, body)
+        prompt = await self._render(body)
         request_id = new_id("chatcmpl")
         planned = await plan_sub_requests(self.ctx, request_id, [prompt], params, body.n, body.requested_max_tokens,
                                     time.time(), prompt_param="messages")
@@ -98,6 +136,16 @@ class ChatHandler:
 
         response = await cancel_on_disconnect(raw_request, work)
         return JSONResponse(response.model_dump())
+
+    async def _render(self, body: ChatCompletionRequest) -> str:
+        """The prompt text; a request's own template, or long messages, render in the CPU-work pool
+        under its time limit, so neither blocks the event loop."""
+        kwargs = template_arguments(body, self.ctx.trust_request_chat_template)
+        tokenizer = self.ctx.engine.tokenizer
+        if "chat_template" not in kwargs and _content_chars(body) <= INLINE_WORK_CHARS:
+            return render_chat(tokenizer, body, kwargs)
+        return await self.ctx.cpu_work.run("rendering the chat template", "messages", render_chat, tokenizer, body,
+                                           kwargs)
 
     def _response(self, request_id: str, model: str, finals: dict[int, RequestOutput], n: int, top_k: int,
                   ) -> ChatCompletionResponse:

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from deltaserve.engine.async_llm import AsyncLLM, EngineDeadError
 from deltaserve.engine.core import EngineCoreRequest
+from deltaserve.entrypoints.openai.cpu_work import CpuWork
 from deltaserve.entrypoints.openai.errors import OpenAIError, from_value_error
 from deltaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -32,11 +33,14 @@ T = TypeVar("T")
 
 @dataclass
 class ServingContext:
-    """What every handler needs: the engine client and the names it answers to."""
+    """What every handler needs: the engine client, the names it answers to, the pool for CPU-bound
+    request work, and whether requests may bring their own chat template."""
 
     engine: AsyncLLM
     served_model_names: list[str]
     max_logprobs: int
+    cpu_work: CpuWork
+    trust_request_chat_template: bool = False
 
     def resolve_model(self, requested: str | None) -> str:
         """The name to echo back; None means the first served name. Unknown names are a 404."""
@@ -75,8 +79,18 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
+def check_min_tokens(min_tokens: int, max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> None:
+    """min_tokens cannot exceed the max_tokens the server settled on (asked for, or the room left)."""
+    if min_tokens > max_tokens:
+        raise OpenAIError(
+            f"min_tokens={min_tokens} is more than the {max_tokens} tokens this request may generate "
+            f"(max_model_len={max_model_len} with {num_prompt_tokens} prompt tokens, or the requested max)",
+            400, param="min_tokens",
+        )
+
+
 MAX_CHOICES_PER_REQUEST = 1024
-_TOKENIZE_IN_THREAD_CHARS = 8192  # longer prompts are tokenized off the event loop
+INLINE_WORK_CHARS = 8192  # longer prompts are tokenized (and templates rendered) in the CPU-work pool
 
 
 async def plan_sub_requests(
@@ -97,8 +111,10 @@ async def plan_sub_requests(
     for p_index, prompt in enumerate(prompts):
         args = (f"{base_id}-{p_index}", prompt, params, arrival_time)
         try:
-            if isinstance(prompt, str) and len(prompt) > _TOKENIZE_IN_THREAD_CHARS:
-                text, core = await asyncio.to_thread(ctx.engine.process_input, *args)
+            if isinstance(prompt, str) and len(prompt) > INLINE_WORK_CHARS:
+                ctx.engine.processor.check_text_length(prompt)  # the cheap bound, before queueing any work
+                text, core = await ctx.cpu_work.run("tokenizing the prompt", prompt_param, ctx.engine.process_input,
+                                                    *args)
             else:
                 text, core = ctx.engine.process_input(*args)
         except ValueError as e:
@@ -109,6 +125,7 @@ async def plan_sub_requests(
                 err.message = f"{prompt_param}[{p_index}]: {err.message}"
             raise err from e
         max_tokens = resolve_max_tokens(requested_max_tokens, len(core.prompt_token_ids), ctx.engine.max_model_len)
+        check_min_tokens(params.min_tokens, max_tokens, len(core.prompt_token_ids), ctx.engine.max_model_len)
         for sample in range(n):
             seed = None if params.seed is None else params.seed + sample
             sub_params = dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
