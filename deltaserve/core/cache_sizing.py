@@ -45,6 +45,20 @@ def default_checkpoint_interval(kv_spec: MLALatentSpec, state_spec: KDAStateSpec
     return blocks * kv_spec.block_size
 
 
+def _what_fits(cache_bytes: int, kv_spec: MLALatentSpec, seq_state_bytes: int, slots_per_seq: int) -> str:
+    """The advice ending plan_cache's refusal: the largest max_model_len whose one sequence (whole KV
+    blocks plus `seq_state_bytes` of KDA state) fits in `cache_bytes`, or that none does."""
+    raise_budget = "raise cache_memory (--cache-memory) or gpu_memory_utilization"
+    room = cache_bytes - seq_state_bytes
+    # with 0-byte blocks the budget is refused only when the state alone does not fit (room < 0)
+    blocks = room // kv_spec.bytes_per_block if room > 0 and kv_spec.bytes_per_block else 0
+    if blocks == 0:
+        return (f"not even one KV block of {kv_spec.block_size} tokens fits beside {slots_per_seq} KDA state "
+                f"image(s), so a lower max_model_len cannot help: {raise_budget}")
+    return (f"{raise_budget}, or lower max_model_len (--max-model-len, which defaults to the model's "
+            f"max_position_embeddings): the largest max_model_len that fits is {blocks * kv_spec.block_size}")
+
+
 def plan_cache(
     cache_bytes: int,
     kv_spec: MLALatentSpec,
@@ -59,8 +73,8 @@ def plan_cache(
     `checkpoint_fraction` of what is left in checkpoint units, the rest in KV blocks.
 
     Refuses (ValueError) a budget that cannot hold one sequence of `max_model_len` tokens, saying
-    what to change. A tight budget gets fewer slots (fewer concurrent sequences) and fewer units
-    rather than less than one full-length sequence of KV.
+    what to change and the largest max_model_len that fits. A tight budget gets fewer slots (fewer
+    concurrent sequences) and fewer units rather than less than one full-length sequence of KV.
     """
     block_bytes = kv_spec.bytes_per_block
     seq_state = slots_per_seq * state_spec.bytes_per_image
@@ -71,8 +85,8 @@ def plan_cache(
             f"the cache budget of {cache_bytes / MiB:.1f} MiB cannot hold one sequence of "
             f"max_model_len={max_model_len} tokens ({blocks_one_seq} KV blocks of {block_bytes} bytes plus "
             f"{slots_per_seq} KDA state image(s) of {state_spec.bytes_per_image / MiB:.2f} MiB = "
-            f"{one_seq / MiB:.1f} MiB); raise cache_memory (--cache-memory) or gpu_memory_utilization, "
-            f"or lower max_model_len"
+            f"{one_seq / MiB:.1f} MiB); "
+            + _what_fits(cache_bytes, kv_spec, seq_state, slots_per_seq)
         )
     if seq_state == 0:
         seqs = max_num_seqs

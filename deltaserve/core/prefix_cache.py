@@ -33,9 +33,18 @@ class PrefixHit:
 
 @dataclass
 class PrefixCacheStats:
+    """Running totals. queries, queried_tokens and hit_tokens count each request once, at its first
+    admission (its prompt, and the hit `num_cached_tokens` reports), as vLLM's prefix-cache stats do;
+    re-admissions after a preemption go to the preempted_* totals instead, since a request may be
+    preempted any number of times. kv_hit_tokens and tokens_lost_to_missing_checkpoint cover every
+    admission."""
+
     queries: int = 0
     queried_tokens: int = 0
     hit_tokens: int = 0
+    preempted_queries: int = 0
+    preempted_queried_tokens: int = 0
+    preempted_hit_tokens: int = 0
     kv_hit_tokens: int = 0
     tokens_lost_to_missing_checkpoint: int = 0
     demands_recorded: int = 0
@@ -81,11 +90,17 @@ class PrefixCache:
         return PrefixHit(hit_blocks * bs, kv_blocks[:hit_blocks], checkpoint, len(kv_blocks) * bs)
 
     def account(self, request: Request, hit: PrefixHit) -> None:
-        """Count the lookup of a request that was admitted with this hit."""
+        """Count the lookup of a request that was admitted with this hit: its first admission in
+        queries, queried_tokens and hit_tokens, a re-admission after a preemption in preempted_*."""
         stats = self.stats
-        stats.queries += 1
-        stats.queried_tokens += request.num_tokens
-        stats.hit_tokens += hit.num_tokens
+        if request.num_preemptions == 0:
+            stats.queries += 1
+            stats.queried_tokens += request.num_tokens
+            stats.hit_tokens += hit.num_tokens
+        else:
+            stats.preempted_queries += 1
+            stats.preempted_queried_tokens += request.num_tokens
+            stats.preempted_hit_tokens += hit.num_tokens
         stats.kv_hit_tokens += hit.num_kv_hit_tokens
         stats.tokens_lost_to_missing_checkpoint += hit.num_kv_hit_tokens - hit.num_tokens
 

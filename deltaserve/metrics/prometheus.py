@@ -66,8 +66,10 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.computed_tokens = counter("computed_tokens", "Tokens run through the model (prefill and decode).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache, once per request.")
+        self.prefix_hits = counter("prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache, at each request's first admission.")
         self.aborted = counter("request_aborted", "Requests aborted (client gone, or cancelled).")
         self._success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"], registry=r)
