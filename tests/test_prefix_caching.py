@@ -35,6 +35,8 @@ def assert_nothing_held(llm):
     assert s.state_pool.num_free == engine.cache_plan.num_state_slots
     if engine.prefix_cache is not None:
         assert all(cp.pins == 0 for cp in engine.prefix_cache.checkpoints._lru.values())
+    s.check_invariants()
+    assert not s.in_flight
 
 
 def run_sessions(llm, num_sessions=3, num_turns=3):
@@ -78,6 +80,11 @@ def test_end_of_sequence_anchor_hit(model_dir):
     prompt = random_prompts([40], 320, seed=3)[0]
     (first,) = llm.generate([{"prompt_token_ids": prompt}], greedy(30), use_tqdm=False)
     answer = first.outputs[0].token_ids
+    # generate() returns once the end-of-sequence save has run: the checkpoint is written, not just findable
+    cps = llm.llm_engine.prefix_cache.checkpoints._lru.values()
+    assert any(cp.kind.value == "end_of_sequence" for cp in cps)
+    assert all(cp.visible and cp.written for cp in cps)
+    assert not llm.llm_engine.has_pending_saves()
     (second,) = llm.generate([{"prompt_token_ids": prompt + answer + [9, 9, 9]}], greedy(4), use_tqdm=False)
     # decode computed tokens up to 40 + 29; the last boundary it crossed is 64
     assert second.num_cached_tokens == 64
@@ -127,4 +134,35 @@ def test_aborts_free_blocks_slots_and_pins(model_dir):
     for _ in range(3):
         engine.step()
     engine.abort_request(["r0", "r1", "r2"])
+    assert_nothing_held(llm)
+
+
+def test_prefix_caching_without_room_for_a_checkpoint_is_refused_at_startup():
+    with pytest.raises(ValueError, match="state_checkpoint_fraction=0.0"):
+        LLM(model="random:tiny", device="cpu", dtype="float32", state_checkpoint_fraction=0.0)
+    llm = LLM(model="random:tiny", device="cpu", dtype="float32", state_checkpoint_fraction=0.0,
+              enable_prefix_caching=False)
+    assert llm.llm_engine.core.prefix_cache is None
+
+
+def test_duplicates_in_flight_are_registered_and_outputs_stay_equal(model_dir):
+    """Identical prompts admitted together compute the same blocks twice: the second copies are
+    registered as duplicates, and the invariants hold after every step, under eviction too."""
+    prompts = random_prompts([70, 70, 45], 320, seed=11)
+    prompts[1] = list(prompts[0])
+    reference = make_llm(model_dir, enable_prefix_caching=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False)
+    llm = make_llm(model_dir, state_checkpoint_interval=32, num_kv_blocks=24, max_num_seqs=4)
+    engine = llm.llm_engine
+    for round_ in range(2):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{round_}-{i}", {"prompt_token_ids": p}, greedy(20))
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            engine.scheduler.check_invariants()
+        assert [outputs[f"{round_}-{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in reference]
+    assert engine.scheduler.kv_cache_manager.pool._duplicates == {}  # released with their requests
     assert_nothing_held(llm)

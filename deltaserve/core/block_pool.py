@@ -8,6 +8,15 @@ finds it) until it is reused for a new allocation; free blocks are reused in thi
   3. cached blocks some checkpoint can serve, least recently used first.
 Cached blocks form a tree by parent hash. Evicting a block makes every block below it unreachable:
 their hashes are dropped at once and `on_drop` is told about each, so their checkpoints go too.
+
+Two requests that compute the same prefix at the same time hold two blocks of one hash: the first
+committed is the cached one, the second is registered as its duplicate. When the cached block is
+reused while a duplicate is still held, the duplicate takes its place, so the hash (and the tree
+and checkpoints below it) survive; a duplicate nobody holds is simply freed.
+
+Servability counts, per hash, the visible checkpoints at or below it. Each checkpoint's +1 is
+recorded with the hashes it reached, and its -1 undoes exactly those, so no count can go negative
+whatever was cached in between.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ class BlockPool:
         self._parent: dict[BlockHash, BlockHash | None] = {}
         self._children: dict[BlockHash, set[BlockHash]] = {}
         self._serve_count: dict[BlockHash, int] = {}
+        self._counted: dict[BlockHash, list[BlockHash]] = {}  # checkpoint hash -> hashes its +1 reached
+        self._duplicates: dict[BlockHash, list[int]] = {}  # cached hash -> other blocks holding the same KV
+        self._duplicate_of: dict[int, BlockHash] = {}
         self.on_drop: Callable[[BlockHash], None] | None = None
         self.num_evicted_blocks = 0
 
@@ -86,7 +98,15 @@ class BlockPool:
                 raise RuntimeError(f"block {block} released more often than it was taken")
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
+                self._forget_duplicate(block)
                 self._enqueue_free(block)
+
+    def _forget_duplicate(self, block: int) -> None:
+        h = self._duplicate_of.pop(block, None)
+        if h is not None:
+            self._duplicates[h].remove(block)
+            if not self._duplicates[h]:
+                del self._duplicates[h]
 
     def _enqueue_free(self, block: int) -> None:
         h = self._hash_of[block]
@@ -99,11 +119,18 @@ class BlockPool:
 
     # The prefix cache ------------------------------------------------------------------------
     def cache_block(self, block_id: int, block_hash: BlockHash, parent: BlockHash | None) -> bool:
-        """File a full, computed block under its hash; False (nothing changed) if that hash is already
-        cached in another block, or the block's parent is not cached (the chain would be unreachable)."""
-        if block_hash in self._cached or self._hash_of[block_id] is not None:
-            return False
+        """File a full, computed block under its hash; False if the block's parent is not cached (the
+        chain would be unreachable) or it is filed already. A hash cached in another block makes this
+        block that one's duplicate (True)."""
+        if self._hash_of[block_id] is not None or block_id in self._duplicate_of:
+            return self._hash_of[block_id] == block_hash or self._duplicate_of.get(block_id) == block_hash
         if parent is not None and parent not in self._cached:
+            return False
+        if block_hash in self._cached:
+            if self._cached[block_hash] != block_id and self._ref_counts[block_id] > 0:
+                self._duplicates.setdefault(block_hash, []).append(block_id)
+                self._duplicate_of[block_id] = block_hash
+                return True
             return False
         self._cached[block_hash] = block_id
         self._hash_of[block_id] = block_hash
@@ -113,11 +140,22 @@ class BlockPool:
         return True
 
     def add_servability(self, block_hash: BlockHash, delta: int) -> None:
-        """A checkpoint at `block_hash` appeared (+1) or went (-1): update it and every ancestor."""
-        h: BlockHash | None = block_hash
-        while h is not None and h in self._cached:
+        """A checkpoint at `block_hash` appeared (+1: it and every cached ancestor) or went (-1: the
+        hashes its +1 reached)."""
+        if delta > 0:
+            reached = []
+            h: BlockHash | None = block_hash
+            while h is not None and h in self._cached:
+                reached.append(h)
+                h = self._parent.get(h)
+            self._counted[block_hash] = reached
+        else:
+            reached = self._counted.pop(block_hash, [])
+        for h in reached:
+            if h not in self._cached:
+                continue
             before = self._serve_count.get(h, 0)
-            after = before + delta
+            after = before + (1 if delta > 0 else -1)
             if after:
                 self._serve_count[h] = after
             else:
@@ -127,12 +165,21 @@ class BlockPool:
                 self._free_unservable.pop(block, None)
                 self._free_servable.pop(block, None)
                 self._enqueue_free(block)
-            h = self._parent.get(h)
 
     def _evict(self, block: int) -> None:
-        """Reuse a cached free block: drop its hash and the (unreachable) subtree below it."""
+        """Reuse a cached free block: hand its hash to a duplicate still held, else drop the hash and
+        the (unreachable) subtree below it."""
         root = self._hash_of[block]
         assert root is not None
+        if self._duplicates.get(root):
+            heir = self._duplicates[root].pop(0)
+            if not self._duplicates[root]:
+                del self._duplicates[root]
+            del self._duplicate_of[heir]
+            self._cached[root] = heir
+            self._hash_of[heir] = root
+            self._hash_of[block] = None
+            return
         subtree, stack = [], [root]
         while stack:
             h = stack.pop()
@@ -150,8 +197,48 @@ class BlockPool:
             self._parent.pop(h, None)
             self._children.pop(h, None)
             self._serve_count.pop(h, None)
+            for dup in self._duplicates.pop(h, []):  # held by running requests; no longer findable
+                del self._duplicate_of[dup]
             if b != block and self._ref_counts[b] == 0:
                 self._free_unservable.pop(b, None)
                 self._free_servable.pop(b, None)
                 self._free_plain.appendleft(b)
         self.num_evicted_blocks += len(subtree)
+
+    # Invariants ------------------------------------------------------------------------------
+    def check_invariants(self, held: dict[int, int]) -> None:
+        """Raise AssertionError unless every block is accounted for. `held`: block id -> how many
+        block tables hold it (the KV cache manager's view)."""
+        free = [*self._free_plain, *self._free_unservable, *self._free_servable]
+        free_set = set(free)
+        assert len(free) == len(free_set), "a block is queued free twice"
+        for block in range(self.num_blocks):
+            refs = self._ref_counts[block]
+            assert refs == held.get(block, 0), f"block {block}: ref count {refs}, held by {held.get(block, 0)} tables"
+            assert (refs == 0) == (block in free_set), f"block {block} (ref count {refs}) is queued free: not so"
+        for block in free:
+            assert self._ref_counts[block] == 0, f"free block {block} has references"
+            h = self._hash_of[block]
+            if h is None:
+                assert block not in self._free_unservable and block not in self._free_servable, block
+            else:
+                servable = self._serve_count.get(h, 0) > 0
+                assert (block in self._free_servable) == servable, f"free block {block} in the wrong queue"
+        for h, block in self._cached.items():
+            assert self._hash_of[block] == h, f"hash/block maps disagree at block {block}"
+            parent = self._parent.get(h)
+            assert parent is None or parent in self._cached, f"cached block {block} has an uncached parent"
+            assert parent is None or h in self._children.get(parent, ()), f"block {block} missing from its parent"
+        assert sum(1 for h in self._hash_of if h is not None) == len(self._cached), "stale block hashes"
+        for h, dups in self._duplicates.items():
+            assert h in self._cached and dups, "a duplicate of an uncached hash"
+            for dup in dups:
+                assert self._duplicate_of[dup] == h and self._ref_counts[dup] > 0, f"duplicate block {dup}"
+        assert len(self._duplicate_of) == sum(len(d) for d in self._duplicates.values())
+        expected: dict[BlockHash, int] = {}
+        for reached in self._counted.values():
+            for h in reached:
+                if h in self._cached:
+                    expected[h] = expected.get(h, 0) + 1
+        assert all(count > 0 for count in self._serve_count.values()), "a servability count is not positive"
+        assert self._serve_count == expected, "servability counts disagree with the checkpoints"

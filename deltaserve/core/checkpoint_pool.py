@@ -3,6 +3,13 @@
 An image (every KDA layer's conv window and recurrent state) is stored in fixed-size units drawn
 from one pool, `units_per_checkpoint = ceil(image_bytes / unit_bytes)`, so images of any size share
 one budget and nothing fragments. Plain Python: unit ids only; the worker owns the bytes.
+
+A checkpoint has two readers, with two rules (docs/architecture.md, "Steps in flight"):
+- `visible`: later steps may load it. Set once the step that saves it is scheduled: every rank runs
+  steps in order, so a load in a later step runs after the save.
+- `written`: readers outside the step stream (an offload store, a KV transfer, another tier) and
+  eviction may touch it. Set once the worker has reported, in its output for the saving step, that
+  the image is written.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ class Checkpoint:
     num_tokens: int  # the boundary: the state after tokens [0, num_tokens)
     kind: CheckpointKind
     unit_ids: list[int]
-    visible: bool = False  # False until the image has been written by the worker
-    pins: int = 0  # steps that load it right now; a pinned checkpoint is never evicted
+    visible: bool = False  # later steps may load it (its save is scheduled)
+    written: bool = False  # the worker reported the save: readers outside the step stream may use it
+    pins: int = 0  # steps in flight that load it; a pinned checkpoint is never evicted
 
 
 @dataclass
@@ -94,7 +102,7 @@ class CheckpointPool:
             self.stats.declined_no_units += 1
             return None
         while len(self._free_units) < need:
-            victim = next((cp for cp in self._lru.values() if cp.pins == 0 and cp.visible), None)
+            victim = next((cp for cp in self._lru.values() if cp.pins == 0 and cp.written), None)
             if victim is None:
                 self.stats.declined_no_units += 1
                 return None
@@ -106,13 +114,31 @@ class CheckpointPool:
         return cp
 
     def publish(self, block_hash: BlockHash) -> None:
-        """The image is (or, for a save queued before the next step's loads, will be) written: make it
-        findable. Call after the KV blocks it stands on are committed."""
+        """The step that saves the image is scheduled: later steps may find it. Call after the KV
+        blocks it stands on are committed."""
         cp = self._lru.get(block_hash)
         if cp is not None and not cp.visible:
             cp.visible = True
             if self.on_change is not None:
                 self.on_change(block_hash, +1)
+
+    def mark_written(self, block_hash: BlockHash, checkpoint: Checkpoint) -> None:
+        """The worker reported this checkpoint's save (if it is still the one filed at that hash)."""
+        if self._lru.get(block_hash) is checkpoint:
+            checkpoint.written = True
+
+    def check_invariants(self, pins: dict[BlockHash, int]) -> None:
+        """Raise AssertionError unless every unit is free or in exactly one checkpoint, and each
+        checkpoint's pins equal `pins` (block hash -> loads by steps in flight)."""
+        used = [u for cp in self._lru.values() for u in cp.unit_ids]
+        assert len(used) == len(set(used)), "a unit is in two checkpoints"
+        assert not set(used) & set(self._free_units), "a unit is both free and in use"
+        assert len(used) + len(self._free_units) == self.num_units, "a unit is lost"
+        for h, cp in self._lru.items():
+            assert cp.block_hash == h and len(cp.unit_ids) == self.units_per_checkpoint
+            assert cp.pins == pins.get(h, 0), f"checkpoint at {cp.num_tokens} tokens: {cp.pins} pins, " \
+                f"{pins.get(h, 0)} loads in flight"
+            assert not cp.written or cp.visible, "written but never published"
 
     def free(self, block_hash: BlockHash, evicted: bool = False) -> None:
         cp = self._lru.pop(block_hash, None)

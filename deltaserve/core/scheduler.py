@@ -12,14 +12,26 @@ With prefix caching (`prefix_cache` given) a request starts from the joint KV + 
 end on checkpoint boundaries so the state there can be saved right after the chunk, and each
 running request holds a second "boundary" slot with its state at the last block boundary it
 crossed while decoding, filed as the end-of-sequence checkpoint when it finishes.
+
+Several steps may be in flight: `schedule()` may be called again before `update_from_output()` of
+the previous step, and outputs are applied in step order. What a step holds until it is reported
+(checkpoint pins, the checkpoints it saves, the life of each request it runs) lives in its
+`StepRecord`, never on the scheduler. The rule for readers (docs/architecture.md):
+- later steps may find a KV block or a checkpoint as soon as the step that writes it is scheduled:
+  its blocks are committed and its checkpoints published at the end of `schedule()` (not during
+  it, so a request admitted in the same step cannot read what that step writes);
+- readers outside the step stream, and checkpoint eviction, wait until the step is reported
+  (`Checkpoint.written`).
+A request preempted (or finished) while a step that ran it is in flight drops that step's late
+sample: each step records the life (`num_preemptions`) of the requests it runs.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deltaserve.core.block_hash import BlockHash
 from deltaserve.core.checkpoint_pool import Checkpoint, CheckpointKind
@@ -51,6 +63,18 @@ class SchedulerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
 
 
+@dataclass
+class StepRecord:
+    """What one scheduled step holds until the worker reports it."""
+
+    step_id: int
+    pinned: list[Checkpoint] = field(default_factory=list)  # loaded by this step
+    saved: list[Checkpoint] = field(default_factory=list)  # saved by this step
+    lives: dict[str, int] = field(default_factory=dict)  # request id -> num_preemptions when scheduled
+    boundaries: dict[str, int] = field(default_factory=dict)  # request id -> boundary its copy sets
+    commits: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk end) to commit
+
+
 def boundary_key(request_id: str) -> str:
     """The state-pool owner key of a request's boundary slot."""
     return request_id + "#boundary"
@@ -77,9 +101,7 @@ class Scheduler:
         self._saves_before_next_step: list[tuple[Checkpoint, StateSave]] = []
         self._step_ids = itertools.count()
         self.num_preemptions_total = 0
-        # per step, between schedule() and update_from_output()
-        self._pinned: list[Checkpoint] = []
-        self._to_publish: list[BlockHash] = []
+        self.in_flight: OrderedDict[int, StepRecord] = OrderedDict()  # scheduled, not yet reported
 
     # Queries ---------------------------------------------------------------------------------
     @property
@@ -92,6 +114,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    @property
+    def has_pending_saves(self) -> bool:
+        """End-of-sequence saves wait for a step to carry them: run one even with no requests left."""
+        return bool(self._saves_before_next_step)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -133,13 +160,24 @@ class Scheduler:
         pc = self.prefix_cache
         if pc is None or request.boundary_num_tokens == 0:
             return
+        if any(request.request_id in r.boundaries for r in self.in_flight.values()):
+            return  # a step still in flight copies a later state into the boundary slot
         slot = self.state_pool.slot_of(boundary_key(request.request_id))
-        self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request), request.num_computed_tokens)
+        if slot is None or not self._chain_cached(request, request.boundary_num_tokens):
+            return
         cp = pc.file(request, request.boundary_num_tokens, CheckpointKind.END_OF_SEQUENCE)
-        if cp is not None and slot is not None:
-            # written before anything else in the next step, before any slot can be reused
-            pc.checkpoints.publish(cp.block_hash)
+        if cp is not None:
+            # saved before anything else in the next step, before any slot can be reused; published
+            # when that step is scheduled
             self._saves_before_next_step.append((cp, StateSave(slot, list(cp.unit_ids))))
+
+    def _chain_cached(self, request: Request, num_tokens: int) -> bool:
+        """Whether every KV block of [0, num_tokens) of this request is findable (so a checkpoint at
+        num_tokens would be reachable)."""
+        assert self.prefix_cache is not None
+        hashes = self.prefix_cache.block_hashes(request)
+        n = num_tokens // self.kv_cache_manager.block_size
+        return 0 < n <= len(hashes) and self.kv_cache_manager.pool.cached_block(hashes[n - 1]) is not None
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
@@ -159,10 +197,13 @@ class Scheduler:
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        record = StepRecord(next(self._step_ids))
         out = _StepBuilder()
-        out.saves_before = [
-            save for cp, save in self._saves_before_next_step if self._still_filed(cp)
-        ]
+        for cp, save in self._saves_before_next_step:
+            if self._still_filed(cp):  # this step saves it first thing: from now on later loads may find it
+                out.saves_before.append(save)
+                record.saved.append(cp)
+                self.prefix_cache.checkpoints.publish(cp.block_hash)
         self._saves_before_next_step = []
 
         i = 0
@@ -183,7 +224,7 @@ class Scheduler:
                         break
             if table is None:
                 break
-            self._schedule_chunk(request, num_new, table, out, kind)
+            self._schedule_chunk(request, num_new, table, out, kind, record)
             budget -= num_new
             i += 1
 
@@ -193,7 +234,9 @@ class Scheduler:
                 break
             hit = self.prefix_cache.lookup(request) if self.prefix_cache is not None else NO_HIT
             num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
-            if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new, hit.block_ids):
+            reserve = self._readmission_reserve(request)
+            if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new + reserve,
+                                                      hit.block_ids):
                 break
             self.waiting.popleft()
             slot = self.state_pool.allocate(request.request_id)
@@ -207,7 +250,7 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
             if hit.checkpoint is not None:
                 hit.checkpoint.pins += 1
-                self._pinned.append(hit.checkpoint)
+                record.pinned.append(hit.checkpoint)
                 out.loads.append(StateLoad(list(hit.checkpoint.unit_ids), slot))
                 request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
@@ -217,13 +260,15 @@ class Scheduler:
                 out.new_requests.append(
                     NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
                 )
-            self._schedule_chunk(request, num_new, table, out, kind)
+            self._schedule_chunk(request, num_new, table, out, kind, record)
             budget -= num_new
 
+        self._commit_and_publish(record, out)
+        self.in_flight[record.step_id] = record
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         return SchedulerOutput(
-            step_id=next(self._step_ids),
+            step_id=record.step_id,
             chunks=out.chunks,
             new_requests=out.new_requests,
             finished_request_ids=finished,
@@ -249,8 +294,16 @@ class Scheduler:
                 return boundary[0] - start, boundary[1]
         return end - start, None
 
+    def _readmission_reserve(self, request: Request) -> int:
+        """Hysteresis for a preempted request: it comes back only with a block to spare for every
+        running request, so the next steps' decodes do not preempt it again at once."""
+        if request.num_preemptions == 0:
+            return 0
+        return len(self.running) * self.kv_cache_manager.block_size
+
     def _schedule_chunk(
-        self, request: Request, num_new: int, table: list[int], out: _StepBuilder, kind: CheckpointKind | None
+        self, request: Request, num_new: int, table: list[int], out: _StepBuilder, kind: CheckpointKind | None,
+        record: StepRecord,
     ) -> None:
         start = request.num_computed_tokens
         end = start + num_new
@@ -268,36 +321,61 @@ class Scheduler:
             )
         )
         request.num_computed_tokens = end
+        record.lives[request.request_id] = request.num_preemptions
         pc = self.prefix_cache
-        if pc is None or end % pc.block_size:
+        if pc is None:
+            return
+        record.commits.append((request, end))
+        if end % pc.block_size:
             return
         if kind is not None:
             cp = pc.file(request, end, kind)
             if cp is not None:
                 out.saves_after.append(StateSave(slot, list(cp.unit_ids)))
-                self._to_publish.append(cp.block_hash)
+                out.filed.append(cp)
         if end > request.num_prompt_tokens:
             boundary_slot = self.state_pool.slot_of(boundary_key(request.request_id))
             assert boundary_slot is not None
             out.copies_after.append(StateCopy(slot, boundary_slot))
-            request.boundary_num_tokens = end
+            record.boundaries[request.request_id] = end
+
+    def _commit_and_publish(self, record: StepRecord, out: _StepBuilder) -> None:
+        """End of schedule(): this step's blocks become findable (committed up to each chunk's own end)
+        and its checkpoints too, for later steps. A checkpoint whose blocks could not be committed
+        could never be found: it is dropped with its save."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        for request, end in record.commits:
+            if request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request), end)
+        for cp in out.filed:
+            if self.kv_cache_manager.pool.cached_block(cp.block_hash) is None:
+                out.saves_after = [save for save in out.saves_after if save.unit_ids != cp.unit_ids]
+                pc.checkpoints.free(cp.block_hash)
+                continue
+            pc.checkpoints.publish(cp.block_hash)
+            record.saved.append(cp)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """After the step ran: commit computed blocks, publish the step's checkpoints, append each
-        sampled token and finish requests that hit a stop condition; returns the finished requests."""
+        """After the step ran (steps are reported in the order they were scheduled): unpin what it
+        loaded, mark what it saved written, append each sampled token of a request still in the life
+        it was scheduled in, and finish requests that hit a stop condition; returns the finished ones."""
+        record = self.in_flight.pop(scheduler_output.step_id, None)
+        if record is None:
+            raise ValueError(f"step {scheduler_output.step_id} is not in flight (reported twice, or never scheduled)")
+        if any(step_id < record.step_id for step_id in self.in_flight):
+            raise ValueError(f"step {record.step_id} reported before an earlier step still in flight")
         pc = self.prefix_cache
         if pc is not None:
-            for chunk in scheduler_output.chunks:
-                request = self.requests.get(chunk.request_id)
-                if request is not None and request.status == RequestStatus.RUNNING:
-                    self.kv_cache_manager.commit(
-                        request.request_id, pc.block_hashes(request), request.num_computed_tokens
-                    )
-            for h in self._to_publish:
-                pc.checkpoints.publish(h)
-            for cp in self._pinned:
+            for cp in record.pinned:
                 cp.pins -= 1
-        self._to_publish, self._pinned = [], []
+            for cp in record.saved:
+                pc.checkpoints.mark_written(cp.block_hash, cp)
+        for request_id, boundary in record.boundaries.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.num_preemptions == record.lives.get(request_id):
+                request.boundary_num_tokens = boundary
 
         finished = []
         for chunk in scheduler_output.chunks:
@@ -306,6 +384,8 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
+            if request.num_preemptions != record.lives.get(chunk.request_id):
+                continue  # a late output of the request's life before a preemption
             request.output_token_ids.append(sampled[chunk.request_id])
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
@@ -313,6 +393,41 @@ class Scheduler:
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    # Invariants ------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every KV block, state slot, checkpoint unit and pin is
+        accounted for: the tests and the fuzzer call this after every step."""
+        kv = self.kv_cache_manager
+        held: dict[int, int] = {}
+        for request_id, table in kv._tables.items():
+            request = self.requests.get(request_id)
+            assert request is not None and request.status == RequestStatus.RUNNING, \
+                f"{request_id} holds KV blocks but is not running"
+            for block in table:
+                held[block] = held.get(block, 0) + 1
+        kv.pool.check_invariants(held)
+        expected_owners = {r.request_id for r in self.running}
+        if self.prefix_cache is not None:
+            expected_owners |= {boundary_key(r.request_id) for r in self.running}
+        owners = set(self.state_pool._owner)
+        assert owners == expected_owners, f"state slots held by {sorted(owners ^ expected_owners)} (running or not)"
+        slots = list(self.state_pool._owner.values()) + self.state_pool._free
+        assert sorted(slots) == list(range(self.state_pool.num_slots)), "a state slot is lost or held twice"
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
+        assert len(self.requests) == len(self.running) + len(self.waiting), "a request is neither running nor waiting"
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        pins: dict[BlockHash, int] = {}
+        for record in self.in_flight.values():
+            for cp in record.pinned:
+                pins[cp.block_hash] = pins.get(cp.block_hash, 0) + 1
+        pc.checkpoints.check_invariants(pins)
+        for h, cp in pc.checkpoints._lru.items():
+            if cp.visible:
+                assert kv.pool.cached_block(h) is not None, f"checkpoint at {cp.num_tokens} tokens is unreachable"
 
 
 class _StepBuilder:
@@ -326,3 +441,4 @@ class _StepBuilder:
         self.loads: list[StateLoad] = []
         self.saves_after: list[StateSave] = []
         self.copies_after: list[StateCopy] = []
+        self.filed: list[Checkpoint] = []  # checkpoints that saves_after writes

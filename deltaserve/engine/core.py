@@ -121,6 +121,15 @@ class EngineCore:
                 max(self.cache_plan.checkpoint_unit_bytes, 1),
                 state_spec.bytes_per_image,
             )
+            if units.capacity < 1:
+                raise ValueError(
+                    f"prefix caching needs room for at least one KDA state checkpoint "
+                    f"({state_spec.bytes_per_image} bytes), but state_checkpoint_fraction="
+                    f"{config.state_checkpoint_fraction} leaves {self.cache_plan.num_checkpoint_units} units of "
+                    f"{self.cache_plan.checkpoint_unit_bytes} bytes: raise state_checkpoint_fraction "
+                    f"(--state-checkpoint-fraction) or the cache budget, or turn prefix caching off "
+                    f"(--no-enable-prefix-caching)"
+                )
             self.prefix_cache = PrefixCache(kv_manager, units, interval)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -179,7 +188,8 @@ class EngineCore:
             self._timings.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests left, or end-of-sequence checkpoint saves that still need a step to run them."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_saves
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -192,6 +202,7 @@ class EngineCore:
         stats = IterationStats()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            self.scheduler.update_from_output(scheduler_output, {})  # nothing ran: close its record
             return [], stats
         now = time.time()
         for new in scheduler_output.new_requests:

@@ -81,6 +81,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def has_pending_saves(self) -> bool:
+        """End-of-sequence checkpoint saves wait for a step to run them."""
+        return self.core.scheduler.has_pending_saves
+
     def get_num_unfinished_requests(self) -> int:
         return self.core.num_unfinished_requests
 

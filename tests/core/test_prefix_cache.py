@@ -34,8 +34,9 @@ def test_block_pool_eviction_tiers_and_subtree_drop():
     h = [bytes([i]) * 16 for i in range(4)]
     for i in range(3):  # a chain of three cached blocks; block 3 stays plain
         assert pool.cache_block(ids[i], h[i], h[i - 1] if i else None)
-    assert not pool.cache_block(ids[3], h[0], None)  # hash already cached elsewhere
     assert not pool.cache_block(ids[3], h[3], b"x" * 16)  # parent not cached
+    assert pool.cache_block(ids[3], h[0], None)  # hash cached elsewhere: block 3 is its duplicate
+    assert pool.cached_block(h[0]) == ids[0]
     pool.add_servability(h[1], +1)  # a checkpoint at block 1 serves blocks 0 and 1
     pool.release(ids[::-1])
     assert pool.num_free_blocks == 6 and pool.num_cached_blocks == 3
@@ -70,17 +71,19 @@ def test_checkpoint_pool_units_lru_and_pins():
     changes = []
     pool.on_change = lambda h, d: changes.append((h, d))
     a = pool.file(b"a" * 16, 4, CheckpointKind.RUNG)
-    assert a is not None and len(a.unit_ids) == 3 and pool.lookup(b"a" * 16) is None  # not written yet
+    assert a is not None and len(a.unit_ids) == 3 and pool.lookup(b"a" * 16) is None  # its save is not scheduled
     pool.publish(a.block_hash)
     assert pool.lookup(a.block_hash) is a and changes == [(a.block_hash, 1)]
     assert pool.file(a.block_hash, 4, CheckpointKind.RUNG) is None  # exists
     b = pool.file(b"b" * 16, 8, CheckpointKind.PROMPT_END)
     pool.publish(b.block_hash)
     a.pins = 1
+    assert pool.file(b"c" * 16, 12, CheckpointKind.DEMAND) is None  # b is findable but not written: kept
+    pool.mark_written(b.block_hash, b)
     c = pool.file(b"c" * 16, 12, CheckpointKind.DEMAND)  # a is pinned: b goes
     assert c is not None and pool.get(b.block_hash) is None and pool.stats.evicted["prompt_end"] == 1
     assert pool.file(b"d" * 16, 16, CheckpointKind.RUNG) is None  # a pinned, c unwritten: no room
-    assert pool.stats.declined_no_units == 1
+    assert pool.stats.declined_no_units == 2
     pool.free(a.block_hash)
     pool.free(c.block_hash)
     assert pool.num_free_units == 7 and pool.num_checkpoints == 0
@@ -101,16 +104,17 @@ def request(rid, prompt, max_tokens=1):
 def drain(s, token=500):
     """Run steps to completion; every step's scheduler output."""
     outs = []
-    while s.has_unfinished_requests():
+    while s.has_unfinished_requests() or s.has_pending_saves:  # the last finish's saves need a step too
         out = s.schedule()
         outs.append(out)
         s.update_from_output(out, {c.request_id: token + c.num_output_tokens for c in out.chunks if c.sample})
-    outs.append(s.schedule())  # flushes saves queued by the last finish
+        s.check_invariants()
     return outs
 
 
 def finish_step(s, out, token=600):
     s.update_from_output(out, {c.request_id: token for c in out.chunks if c.sample})
+    s.check_invariants()
 
 
 def chunk_spans(outs, rid):
@@ -119,6 +123,8 @@ def chunk_spans(outs, rid):
 
 
 def assert_all_free(s):
+    s.check_invariants()
+    assert not s.in_flight and not s.has_pending_saves
     assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
     assert s.state_pool.num_free == s.state_pool.num_slots
     assert all(cp.pins == 0 for cp in s.prefix_cache.checkpoints._lru.values())
