@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from hf_reference import checkpoint_dir, random_prompts, tiny_hub_config
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.core.request import RequestStatus
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +35,27 @@ def greedy(n: int = 12) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 def test_batch_independence(model_dir):
     prompts = random_prompts([1, 3, 9, 17, 31, 40, 55, 64, 70, 2, 5, 90, 100, 16, 33, 48], 320, seed=5)
     llm = make_llm(model_dir, max_num_batched_tokens=128)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
-    for p, out in zip(prompts, batched, strict=True):
-        alone = llm.generate({"prompt_token_ids": p}, greedy(), use_tqdm=False)[0]
-        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+    assert [o.num_cached_tokens for o in batched] == [0] * len(prompts)  # a cold cache: all computed
+    # each prompt alone, on an engine of its own with prefix caching off: nothing the batched run left
+    # behind can serve it (on `llm` itself, half of them resumed from the batch's checkpoints)
+    solo = make_llm(model_dir, enable_prefix_caching=False)
+    alone = [solo.generate({"prompt_token_ids": p}, greedy(), use_tqdm=False)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in alone] == [0] * len(prompts)
+    assert token_ids(batched) == token_ids(alone)
+    # the batch again: prompts now resume from the first run's checkpoints, and still match the cold runs
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert any(o.num_cached_tokens > 0 for o in again)
+    assert token_ids(again) == token_ids(alone)
     assert_nothing_held(llm)
+    assert_nothing_held(solo)
 
 
 def test_preemption_gives_same_outputs_as_roomy_cache(model_dir):
@@ -133,14 +148,28 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(model_dir):
     prompts = random_prompts([12, 25, 3], 320, seed=9)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    alone = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
+    # alone on a fresh engine with prefix caching off, so it cannot resume from `together`'s checkpoint
+    solo = make_llm(model_dir, enable_prefix_caching=False)
+    alone = solo.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
+    assert alone.num_cached_tokens == 0
     assert alone.outputs[0].token_ids == together[1].outputs[0].token_ids
     other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
-    different = llm.generate({"prompt_token_ids": prompts[1]}, other_seed, use_tqdm=False)[0]
+    different = solo.generate({"prompt_token_ids": prompts[1]}, other_seed, use_tqdm=False)[0]
     assert different.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
-def test_stop_token_ids_and_eos(model_dir):
+def with_eos(model_dir: str, out_dir, eos_token_id: int) -> str:
+    """A copy of the checkpoint whose config files name `eos_token_id` as its only EOS."""
+    out = shutil.copytree(model_dir, out_dir)
+    for name in ("config.json", "generation_config.json"):
+        if (out / name).is_file():
+            config = json.loads((out / name).read_text())
+            config["eos_token_id"] = eos_token_id
+            (out / name).write_text(json.dumps(config))
+    return str(out)
+
+
+def test_stop_token_ids_and_eos(model_dir, tmp_path):
     llm = make_llm(model_dir)
     prompt = random_prompts([20], 320, seed=10)[0]
     free = llm.generate({"prompt_token_ids": prompt}, greedy(20), use_tqdm=False)[0].outputs[0]
@@ -153,4 +182,14 @@ def test_stop_token_ids_and_eos(model_dir):
     )[0].outputs[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    assert RequestStatus.FINISHED_STOPPED.name == "FINISHED_STOPPED"
+    assert_nothing_held(llm)
+    # the same id as the checkpoint's EOS: greedy decoding ends there unless ignore_eos
+    eos_llm = make_llm(with_eos(model_dir, tmp_path / "eos", stop_id))
+    assert eos_llm.llm_engine.eos_token_ids == (stop_id,)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    ended = eos_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert ended.token_ids == free.token_ids[: first + 1]
+    assert ended.finish_reason == "stop" and ended.stop_reason is None
+    ignored = eos_llm.generate({"prompt_token_ids": prompt}, greedy(20), use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+    assert_nothing_held(eos_llm)
