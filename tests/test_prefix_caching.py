@@ -57,7 +57,7 @@ def run_sessions(llm, num_sessions=3, num_turns=3):
 
 
 def test_multi_turn_outputs_identical_with_caching_on_and_off(model_dir):
-    on = make_llm(model_dir, state_checkpoint_interval=32)
+    on = make_llm(model_dir, state_checkpoint_interval=64)
     off = make_llm(model_dir, enable_prefix_caching=False)
     got, ref = run_sessions(on), run_sessions(off)
     for turn_got, turn_ref in zip(got, ref, strict=True):
@@ -91,32 +91,32 @@ def test_end_of_sequence_anchor_hit(model_dir):
 
 
 def test_prompt_end_anchor_and_rung_hits(model_dir):
-    llm = make_llm(model_dir, state_checkpoint_interval=32)
-    prompt = random_prompts([75], 320, seed=4)[0]
+    llm = make_llm(model_dir, state_checkpoint_interval=64)
+    prompt = random_prompts([140], 320, seed=4)[0]
     llm.generate([{"prompt_token_ids": prompt}], greedy(1), use_tqdm=False)
     filed = llm.get_metrics()["checkpoints"]["filed"]
-    assert filed["rung"] == 1 and filed["prompt_end"] == 1  # the rung at 32; 64 is both, filed as the anchor
+    assert filed["rung"] == 1 and filed["prompt_end"] == 1  # the rung at 64; 128 is both, filed as the anchor
     (extended,) = llm.generate([{"prompt_token_ids": prompt + [5] * 10}], greedy(1), use_tqdm=False)
-    assert extended.num_cached_tokens == 64
-    (diverging,) = llm.generate([{"prompt_token_ids": prompt[:40] + [6] * 30}], greedy(1), use_tqdm=False)
-    assert diverging.num_cached_tokens == 32  # the rung at 32
+    assert extended.num_cached_tokens == 128
+    (diverging,) = llm.generate([{"prompt_token_ids": prompt[:70] + [6] * 70}], greedy(1), use_tqdm=False)
+    assert diverging.num_cached_tokens == 64  # the rung at 64
 
 
 def test_demand_checkpoint_hit(model_dir):
     llm = make_llm(model_dir, state_checkpoint_interval=1024)
-    shared = random_prompts([50], 320, seed=5)[0]
-    tails = random_prompts([20, 20, 20], 320, seed=6)
-    llm.generate([{"prompt_token_ids": shared + tails[0]}], greedy(1), use_tqdm=False)  # anchor at 64 only
+    shared = random_prompts([100], 320, seed=5)[0]
+    tails = random_prompts([40, 40, 40], 320, seed=6)
+    llm.generate([{"prompt_token_ids": shared + tails[0]}], greedy(1), use_tqdm=False)  # anchor at 128 only
     (b,) = llm.generate([{"prompt_token_ids": shared + tails[1]}], greedy(1), use_tqdm=False)
-    assert b.num_cached_tokens == 0  # KV of [0, 48) is cached but there is no checkpoint at 48
-    assert llm.get_metrics()["prefix_cache"]["tokens_lost_to_missing_checkpoint"] == 48
+    assert b.num_cached_tokens == 0  # KV of [0, 96) is cached but there is no checkpoint at the grid point 64
+    assert llm.get_metrics()["prefix_cache"]["tokens_lost_to_missing_checkpoint"] == 96
     (c,) = llm.generate([{"prompt_token_ids": shared + tails[2]}], greedy(1), use_tqdm=False)
-    assert c.num_cached_tokens == 48 and llm.get_metrics()["checkpoints"]["filed"]["demand"] == 1
+    assert c.num_cached_tokens == 64 and llm.get_metrics()["checkpoints"]["filed"]["demand"] == 1
 
 
 def test_small_cache_eviction_keeps_outputs_and_frees_everything(model_dir):
-    roomy = make_llm(model_dir, state_checkpoint_interval=32)
-    small = make_llm(model_dir, state_checkpoint_interval=32, num_kv_blocks=40, max_num_seqs=4)
+    roomy = make_llm(model_dir, state_checkpoint_interval=64)
+    small = make_llm(model_dir, state_checkpoint_interval=64, num_kv_blocks=40, max_num_seqs=4)
     got, ref = run_sessions(small, num_sessions=4), run_sessions(roomy, num_sessions=4)
     for turn_got, turn_ref in zip(got, ref, strict=True):
         for a, b in zip(turn_got, turn_ref, strict=True):
@@ -152,7 +152,7 @@ def test_duplicates_in_flight_are_registered_and_outputs_stay_equal(model_dir):
     prompts[1] = list(prompts[0])
     reference = make_llm(model_dir, enable_prefix_caching=False).generate(
         [{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False)
-    llm = make_llm(model_dir, state_checkpoint_interval=32, num_kv_blocks=24, max_num_seqs=4)
+    llm = make_llm(model_dir, state_checkpoint_interval=64, num_kv_blocks=24, max_num_seqs=4)
     engine = llm.llm_engine
     for round_ in range(2):
         for i, p in enumerate(prompts):

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from deltaserve.config.parallel import ParallelConfig
+from deltaserve.core.checkpoint_grid import checkpoint_grid
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
@@ -76,12 +77,13 @@ class EngineConfig:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        grid = checkpoint_grid(self.block_size)
         if self.state_checkpoint_interval is not None and (
-            self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % self.block_size
+            self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % grid
         ):
             raise ValueError(
-                f"state_checkpoint_interval={self.state_checkpoint_interval} must be a positive multiple of "
-                f"block_size={self.block_size}"
+                f"state_checkpoint_interval={self.state_checkpoint_interval} must be a positive multiple of the "
+                f"checkpoint grid, {grid} tokens (block_size={self.block_size} and fla's chunk of 64)"
             )
         if not 0.0 <= self.state_checkpoint_fraction <= 0.9:
             raise ValueError(f"state_checkpoint_fraction={self.state_checkpoint_fraction} must be in [0, 0.9]")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.core.checkpoint_grid import checkpoint_grid
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 
 MiB = 1 << 20
@@ -37,12 +38,12 @@ def default_unit_bytes(image_bytes: int) -> int:
 
 def default_checkpoint_interval(kv_spec: MLALatentSpec, state_spec: KDAStateSpec) -> int:
     """Rungs about as far apart as the tokens whose KV takes the bytes of one checkpoint: a power of
-    two number of blocks (tiny preset: 128 tokens; the 48B shape in bfloat16: 8192)."""
+    two multiple of the checkpoint grid (tiny preset: 128 tokens; the 48B shape in bfloat16: 8192)."""
     tokens = state_spec.bytes_per_image / max(kv_spec.bytes_per_token, 1)
-    blocks = 1
-    while blocks * kv_spec.block_size < tokens:
-        blocks *= 2
-    return blocks * kv_spec.block_size
+    interval = checkpoint_grid(kv_spec.block_size)
+    while interval < tokens:
+        interval *= 2
+    return interval
 
 
 def _what_fits(cache_bytes: int, kv_spec: MLALatentSpec, seq_state_bytes: int, slots_per_seq: int) -> str:
@@ -72,33 +73,39 @@ def plan_cache(
     """`slots_per_seq` state slots per concurrent sequence (up to `max_num_seqs` sequences), then
     `checkpoint_fraction` of what is left in checkpoint units, the rest in KV blocks.
 
-    Refuses (ValueError) a budget that cannot hold one sequence of `max_model_len` tokens, saying
-    what to change and the largest max_model_len that fits. A tight budget gets fewer slots (fewer
-    concurrent sequences) and fewer units rather than less than one full-length sequence of KV.
+    Refuses (ValueError) a budget that cannot hold one sequence of `max_model_len` tokens (and, with
+    checkpoints, one checkpoint), saying what to change and the largest max_model_len that fits. A
+    tight budget gets fewer slots (fewer concurrent sequences) and fewer units rather than less than
+    one full-length sequence of KV.
     """
     block_bytes = kv_spec.bytes_per_block
     seq_state = slots_per_seq * state_spec.bytes_per_image
     blocks_one_seq = kv_spec.blocks_for(max_model_len)
-    one_seq = blocks_one_seq * block_bytes + seq_state
+    unit_bytes = one_checkpoint = 0
+    if checkpoint_fraction > 0 and state_spec.bytes_per_image > 0:
+        unit_bytes = checkpoint_unit_bytes or default_unit_bytes(state_spec.bytes_per_image)
+        one_checkpoint = -(-state_spec.bytes_per_image // unit_bytes) * unit_bytes
+    one_seq = blocks_one_seq * block_bytes + seq_state + one_checkpoint
     if cache_bytes < one_seq:
+        checkpoint = f" and one state checkpoint of {one_checkpoint / MiB:.2f} MiB" if one_checkpoint else ""
         raise ValueError(
             f"the cache budget of {cache_bytes / MiB:.1f} MiB cannot hold one sequence of "
             f"max_model_len={max_model_len} tokens ({blocks_one_seq} KV blocks of {block_bytes} bytes plus "
-            f"{slots_per_seq} KDA state image(s) of {state_spec.bytes_per_image / MiB:.2f} MiB = "
+            f"{slots_per_seq} KDA state image(s) of {state_spec.bytes_per_image / MiB:.2f} MiB{checkpoint} = "
             f"{one_seq / MiB:.1f} MiB); "
-            + _what_fits(cache_bytes, kv_spec, seq_state, slots_per_seq)
+            + _what_fits(cache_bytes, kv_spec, seq_state + one_checkpoint, slots_per_seq)
         )
     if seq_state == 0:
         seqs = max_num_seqs
     else:
-        seqs = max(1, min(max_num_seqs, (cache_bytes - blocks_one_seq * block_bytes) // seq_state))
+        room = cache_bytes - blocks_one_seq * block_bytes - one_checkpoint
+        seqs = max(1, min(max_num_seqs, room // seq_state))
     state_bytes = seqs * seq_state
     rest = cache_bytes - state_bytes
-    units, unit_bytes = 0, 0
-    if checkpoint_fraction > 0 and state_spec.bytes_per_image > 0:
-        unit_bytes = checkpoint_unit_bytes or default_unit_bytes(state_spec.bytes_per_image)
+    units = 0
+    if one_checkpoint:
         spare = rest - blocks_one_seq * block_bytes
-        units = max(0, min(int(rest * checkpoint_fraction), spare) // unit_bytes)
+        units = max(min(int(rest * checkpoint_fraction), spare), one_checkpoint) // unit_bytes
     rest -= units * unit_bytes
     num_blocks = blocks_one_seq * seqs if block_bytes == 0 else rest // block_bytes
     return CachePlan(

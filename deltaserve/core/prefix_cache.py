@@ -1,13 +1,14 @@
 """Joint prefix hits over KV blocks and KDA state checkpoints, and where checkpoints get filed.
 
 A KV hit alone is worth nothing to a hybrid model: the KDA layers need their state exactly where
-the hit ends. The joint hit is the longest block-aligned prefix P with every KV block of [0, P)
-cached and a checkpoint at P. Checkpoints are filed at
-  - rungs: every `checkpoint_interval` tokens inside a prompt;
-  - the prompt-end anchor: the last block boundary of the prompt;
-  - the end-of-sequence anchor: the last block boundary prompt + output reached (filed by the
+the hit ends. The joint hit is the longest prefix P with every KV block of [0, P) cached and a
+checkpoint at P. Checkpoints sit on one grid (`core/checkpoint_grid.py`): multiples of both the KV
+block size and the chunk of fla's KDA kernels. They are filed at
+  - rungs: every `checkpoint_interval` tokens inside a prompt (a multiple of the grid);
+  - the prompt-end anchor: the last grid point of the prompt;
+  - the end-of-sequence anchor: the last grid point prompt + output reached (filed by the
     scheduler from the request's boundary slot when it finishes);
-  - demand: boundaries where a lookup found KV reuse that only a missing checkpoint declined.
+  - demand: grid points where a lookup found KV reuse that only a missing checkpoint declined.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from deltaserve.core.block_hash import BlockHash, extend_block_hashes
+from deltaserve.core.checkpoint_grid import KERNEL_CHUNK_TOKENS, checkpoint_grid
 from deltaserve.core.checkpoint_pool import Checkpoint, CheckpointKind, CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.request import Request
@@ -53,10 +55,14 @@ class PrefixCacheStats:
 class PrefixCache:
     """Composes the KV cache manager and the checkpoint pool into joint lookups and filing decisions."""
 
-    def __init__(self, kv: KVCacheManager, checkpoints: CheckpointPool, checkpoint_interval: int) -> None:
-        if checkpoint_interval % kv.block_size:
+    def __init__(self, kv: KVCacheManager, checkpoints: CheckpointPool, checkpoint_interval: int,
+                 kernel_chunk: int = KERNEL_CHUNK_TOKENS) -> None:
+        """`kernel_chunk` is fla's chunk in the engine; only tests with tiny workloads make it smaller."""
+        self.grid = checkpoint_grid(kv.block_size, kernel_chunk)
+        if checkpoint_interval % self.grid:
             raise ValueError(
-                f"state_checkpoint_interval={checkpoint_interval} must be a multiple of block_size={kv.block_size}"
+                f"state_checkpoint_interval={checkpoint_interval} must be a multiple of the checkpoint grid "
+                f"({self.grid} tokens: block_size={kv.block_size} and the kernel chunk of {kernel_chunk})"
             )
         self.kv = kv
         self.checkpoints = checkpoints
@@ -79,13 +85,15 @@ class PrefixCache:
         max_blocks = (request.num_tokens - 1) // self.block_size
         kv_blocks = self.kv.cached_prefix(hashes, max_blocks)
         hit_blocks, checkpoint = 0, None
-        for n in range(len(kv_blocks), 0, -1):
+        per_grid = self.grid // self.block_size
+        last_grid_blocks = len(kv_blocks) // per_grid * per_grid
+        for n in range(last_grid_blocks, 0, -per_grid):
             checkpoint = self.checkpoints.lookup(hashes[n - 1])
             if checkpoint is not None:
                 hit_blocks = n
                 break
-        if len(kv_blocks) > hit_blocks:
-            self._record_demand(hashes[len(kv_blocks) - 1])
+        if last_grid_blocks > hit_blocks:
+            self._record_demand(hashes[last_grid_blocks - 1])
         bs = self.block_size
         return PrefixHit(hit_blocks * bs, kv_blocks[:hit_blocks], checkpoint, len(kv_blocks) * bs)
 
@@ -113,11 +121,11 @@ class PrefixCache:
             self._demand.popitem(last=False)
 
     def next_boundary(self, request: Request, start: int, end: int) -> tuple[int, CheckpointKind] | None:
-        """The first boundary b in (start, end] where computing [start, end) should file a checkpoint."""
-        bs = self.block_size
-        prompt_end = request.num_prompt_tokens // bs * bs
+        """The first grid point b in (start, end] where computing [start, end) should file a checkpoint."""
+        bs, grid = self.block_size, self.grid
+        prompt_end = request.num_prompt_tokens // grid * grid
         hashes = self.block_hashes(request)
-        b = (start // bs + 1) * bs
+        b = (start // grid + 1) * grid
         while b <= end:
             h = hashes[b // bs - 1] if b // bs <= len(hashes) else None
             if h is not None and self.checkpoints.get(h) is None:
@@ -127,7 +135,7 @@ class PrefixCache:
                     return b, CheckpointKind.RUNG
                 if h in self._demand:
                     return b, CheckpointKind.DEMAND
-            b += bs
+            b += grid
         return None
 
     def file(self, request: Request, num_tokens: int, kind: CheckpointKind) -> Checkpoint | None:

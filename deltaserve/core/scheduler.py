@@ -326,7 +326,7 @@ class Scheduler:
         if pc is None:
             return
         record.commits.append((request, end))
-        if end % pc.block_size:
+        if end % pc.grid:
             return
         if kind is not None:
             cp = pc.file(request, end, kind)

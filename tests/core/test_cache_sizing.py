@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from deltaserve.core.cache_sizing import plan_cache
+from deltaserve.core.cache_sizing import default_unit_bytes, plan_cache
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 
 KV = MLALatentSpec(block_size=4, num_layers=2, latent_dim=10, dtype_bytes=2)
@@ -30,11 +30,14 @@ def _suggested(cache_bytes: int, max_model_len: int, **options) -> int:
 def test_the_suggested_max_model_len_fits_and_one_block_more_does_not(slots_per_seq, checkpoint_fraction,
                                                                       spare_bytes):
     options = dict(slots_per_seq=slots_per_seq, checkpoint_fraction=checkpoint_fraction)
-    cache_bytes = slots_per_seq * STATE.bytes_per_image + 7 * KV.bytes_per_block + spare_bytes
+    unit = default_unit_bytes(STATE.bytes_per_image)
+    one_checkpoint = -(-STATE.bytes_per_image // unit) * unit if checkpoint_fraction else 0  # prefix caching's minimum
+    cache_bytes = slots_per_seq * STATE.bytes_per_image + one_checkpoint + 7 * KV.bytes_per_block + spare_bytes
     fits = _suggested(cache_bytes, 1 << 20, **options)
     assert fits == 7 * KV.block_size  # whole blocks: the spare bytes buy no partial block
     plan = plan_cache(cache_bytes, KV, STATE, max_num_seqs=4, max_model_len=fits, **options)
     assert plan.num_blocks >= KV.blocks_for(fits) and plan.total_bytes <= cache_bytes
+    assert plan.num_checkpoint_units * plan.checkpoint_unit_bytes >= one_checkpoint
     assert _suggested(cache_bytes, fits + 1, **options) == fits
     assert _suggested(cache_bytes, fits + KV.block_size, **options) == fits
 

@@ -3,6 +3,8 @@ checkpoint producing the hit it exists for, eviction, nothing leaked."""
 
 from __future__ import annotations
 
+import pytest
+
 from deltaserve.core.block_hash import extend_block_hashes, hash_block
 from deltaserve.core.block_pool import BlockPool
 from deltaserve.core.checkpoint_pool import CheckpointKind, CheckpointPool
@@ -90,9 +92,10 @@ def test_checkpoint_pool_units_lru_and_pins():
 
 
 # The scheduler with prefix caching --------------------------------------------------------------
-def make(num_blocks=64, units=16, interval=64, slots=16, budget=100):
+def make(num_blocks=64, units=16, interval=64, slots=16, budget=100, kernel_chunk=BS):
+    """A scheduler with prefix caching; the checkpoint grid is the block size unless kernel_chunk says."""
     kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), num_blocks, enable_prefix_caching=True)
-    pc = PrefixCache(kv, CheckpointPool(units, unit_bytes=64, image_bytes=64), interval)
+    pc = PrefixCache(kv, CheckpointPool(units, unit_bytes=64, image_bytes=64), interval, kernel_chunk=kernel_chunk)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=1024)
     return Scheduler(config, kv, StateSlotPool(slots), pc)
 
@@ -151,6 +154,21 @@ def test_rungs_and_prompt_end_anchor_snap_chunks_and_save_after_them():
     assert [c.num_computed_tokens for c in out.chunks if c.request_id == "c"] == [36]
     finish_step(s, out)
     drain(s)
+    assert_all_free(s)
+
+
+def test_every_checkpoint_sits_on_the_one_grid():
+    """Block size 4, a kernel chunk of 8: rungs, the prompt-end anchor and the end-of-sequence anchor
+    all land on multiples of 8, never on the block edges between them."""
+    s = make(interval=16, kernel_chunk=8)
+    assert s.prefix_cache.grid == 8
+    s.add_request(request("a", range(1, 38), max_tokens=7))  # prompt 37: last grid point 32, not 36
+    outs = drain(s)
+    assert chunk_spans(outs, "a")[:3] == [(0, 16), (16, 32), (32, 37)]
+    kinds = sorted((cp.num_tokens, cp.kind.value) for cp in s.prefix_cache.checkpoints._lru.values())
+    assert kinds == [(16, "rung"), (32, "prompt_end"), (40, "end_of_sequence")]  # decode reached 43
+    with pytest.raises(ValueError, match="multiple of the checkpoint grid"):
+        make(interval=12, kernel_chunk=8)
     assert_all_free(s)
 
 

@@ -149,3 +149,19 @@ def test_duplicate_request_id_rejected():
     s.add_request(make_request("a", 2))
     with pytest.raises(ValueError, match="'a'"):
         s.add_request(make_request("a", 2))
+
+
+def test_a_preempted_request_waits_for_room_to_spare_before_it_is_readmitted():
+    """Hysteresis: four 21-token requests on 6 blocks of 4. A preempted request comes back only with a
+    block to spare for each running one, so it is not preempted again at once: 3 preemptions
+    (readmitting as soon as its own blocks fit took 9)."""
+    s = make_scheduler(num_blocks=6, budget=8)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 12, max_tokens=9))
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        for request_id in out.preempted_request_ids:
+            assert s.get_request(request_id).status == RequestStatus.PREEMPTED
+        s.check_invariants()
+    assert s.num_preemptions_total == 3
+    assert_all_free(s)

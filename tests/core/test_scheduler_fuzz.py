@@ -105,7 +105,8 @@ def run(specs: list[dict], depth: int, caching: bool, num_blocks: int, units: in
         ) -> dict[str, tuple[list[int], str | None]]:
     """Drive the scheduler tick by tick; (output tokens, finish reason) of every request."""
     kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), num_blocks, enable_prefix_caching=caching)
-    pc = PrefixCache(kv, CheckpointPool(units, unit_bytes=64, image_bytes=64), 8) if caching else None
+    pool = CheckpointPool(units, unit_bytes=64, image_bytes=64)
+    pc = PrefixCache(kv, pool, 8, kernel_chunk=8) if caching else None  # a grid of 8 over blocks of 4
     slots = 12
     config = SchedulerConfig(max_num_seqs=slots // (2 if caching else 1), max_num_batched_tokens=budget,
                              max_model_len=128)

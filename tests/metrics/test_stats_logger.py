@@ -98,7 +98,7 @@ def test_readmissions_are_counted_apart(thrashing_run):
 def test_account_counts_a_request_once_at_first_admission():
     hit = PrefixHit(num_tokens=32, block_ids=[0, 1], checkpoint=None, num_kv_hit_tokens=48)
     pc = PrefixCache(KVCacheManager(MLALatentSpec(16, 1, 8, 2), 8, enable_prefix_caching=True),
-                     CheckpointPool(2, unit_bytes=64, image_bytes=64), 32)
+                     CheckpointPool(2, unit_bytes=64, image_bytes=64), 64)
     request = Request("r", list(range(3, 53)), max_tokens=8)
     pc.account(request, hit)
     request.output_token_ids.extend([7, 7])
