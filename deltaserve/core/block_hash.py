@@ -28,7 +28,15 @@ def extend_block_hashes(
     hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks of `token_ids` not yet in `hashes` (in place); returns it."""
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+    return append_block_hashes(hashes, token_ids[len(hashes) * block_size :], block_size, extra_keys)
+
+
+def append_block_hashes(
+    hashes: list[BlockHash], new_token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+) -> list[BlockHash]:
+    """Append the hashes of the full blocks of `new_token_ids`, the tokens that follow the blocks
+    already in `hashes` (in place); returns it. Costs the new tokens, not the whole sequence."""
+    for start in range(0, len(new_token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[start : start + block_size], extra_keys))
+        hashes.append(hash_block(parent, new_token_ids[start : start + block_size], extra_keys))
     return hashes

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from deltaserve.core.block_hash import BlockHash, extend_block_hashes
+from deltaserve.core.block_hash import BlockHash, append_block_hashes
 from deltaserve.core.checkpoint_grid import KERNEL_CHUNK_TOKENS, checkpoint_grid
 from deltaserve.core.checkpoint_pool import Checkpoint, CheckpointKind, CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
@@ -75,9 +75,12 @@ class PrefixCache:
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's full-block hashes over prompt + output so far (cached on the request)."""
-        if (len(request.block_hashes) + 1) * self.block_size > request.num_tokens:
-            return request.block_hashes  # no new full block: skip building the token list
-        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        hashes, bs = request.block_hashes, self.block_size
+        done = len(hashes) * bs
+        if done + bs > request.num_tokens:
+            return hashes  # no new full block
+        new_tokens = request.token_slice(done, request.num_tokens // bs * bs)  # not the whole context
+        return append_block_hashes(hashes, new_tokens, bs)
 
     def lookup(self, request: Request) -> PrefixHit:
         """The joint hit for a request about to start; never covers its last token (its logits are needed)."""

@@ -102,6 +102,7 @@ class Scheduler:
         self._step_ids = itertools.count()
         self.num_preemptions_total = 0
         self.in_flight: OrderedDict[int, StepRecord] = OrderedDict()  # scheduled, not yet reported
+        self._sent_blocks: dict[str, int] = {}  # request id -> block ids the workers have, this life
 
     # Queries ---------------------------------------------------------------------------------
     @property
@@ -180,6 +181,7 @@ class Scheduler:
         return 0 < n <= len(hashes) and self.kv_cache_manager.pool.cached_block(hashes[n - 1]) is not None
 
     def _free(self, request: Request) -> None:
+        self._sent_blocks.pop(request.request_id, None)
         self.kv_cache_manager.free(request.request_id)
         self.state_pool.free(request.request_id)
         self.state_pool.free(boundary_key(request.request_id))
@@ -309,12 +311,15 @@ class Scheduler:
         end = start + num_new
         slot = self.state_pool.slot_of(request.request_id)
         assert slot is not None
+        sent = self._sent_blocks.get(request.request_id)
+        self._sent_blocks[request.request_id] = len(table)
         out.chunks.append(
             ScheduledChunk(
                 request_id=request.request_id,
                 token_ids=request.token_slice(start, end),
                 num_computed_tokens=start,
-                block_ids=list(table),
+                new_block_ids=table[sent or 0:],
+                table_reset=sent is None,
                 state_slot=slot,
                 sample=end == request.num_tokens,
                 num_output_tokens=request.num_output_tokens,
@@ -417,6 +422,9 @@ class Scheduler:
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
         assert len(self.requests) == len(self.running) + len(self.waiting), "a request is neither running nor waiting"
+        for request_id, sent in self._sent_blocks.items():
+            assert request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING
+            assert sent <= len(kv.block_ids(request_id)), f"{request_id}: more block ids sent than it holds"
         pc = self.prefix_cache
         if pc is None:
             return

@@ -17,12 +17,20 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens [num_computed_tokens, num_computed_tokens + len(token_ids)) of one request, to compute now."""
+    """Tokens [num_computed_tokens, num_computed_tokens + len(token_ids)) of one request, to compute now.
+
+    Block tables are sent incrementally, as in vLLM v1: workers keep each request's table across
+    steps. `new_block_ids` are the blocks appended since the request was last scheduled; with
+    `table_reset` (a request new to the workers, or readmitted after a preemption) they are its whole
+    table. Workers drop a table when the request shows up in `finished_request_ids` or
+    `preempted_request_ids`.
+    """
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int  # tokens already in the caches before this chunk
-    block_ids: list[int]  # the request's block table, covering every token up to the chunk's end
+    new_block_ids: list[int]  # appended to the request's block table, which then covers the chunk's end
+    table_reset: bool  # the table starts over with new_block_ids
     state_slot: int
     sample: bool  # the chunk reaches the last known token: sample the next one
     num_output_tokens: int  # tokens generated so far (seeds per-request sampling deterministically)
@@ -62,7 +70,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # workers drop what they keep for these
-    preempted_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)  # and their block tables for these
     num_scheduled_tokens: int = 0
     # KDA state traffic, in the order the worker runs it: saves_before and loads before the forward,
     # saves_after and copies_after after it

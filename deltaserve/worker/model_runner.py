@@ -15,6 +15,7 @@ from deltaserve.model.forward_context import ForwardContext, PrefillSequence, se
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.sample.sampler import Sampler, SamplingMetadata, step_seed
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.runner_output import ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.state_store import StateCheckpointStore
@@ -43,41 +44,50 @@ class ModelRunner:
         self.sampling_params: dict[str, SamplingParams] = {}
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
         self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
+        self.block_tables = BlockTables()  # every running request's table, kept across steps
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        """Flatten the step. Host-side work only; one transfer per tensor."""
+        """Flatten the step. Host-side work only; one transfer per tensor. Call once per step, in
+        step order: it takes in the step's new block ids."""
+        tables = self.block_tables
+        tables.drop(scheduler_output.preempted_request_ids)  # their next life starts a new table
         chunks = scheduler_output.chunks
         decodes = [c for c in chunks if is_decode(c)]
         prefills = [c for c in chunks if not is_decode(c)]
+        ordered = decodes + prefills
+        rows = [tables.apply(c) for c in ordered]
         bs = self.block_size
         token_ids: list[int] = []
-        slots: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
-        prefill_sequences: list[PrefillSequence] = []
-        cu = [0]
-        for chunk in decodes + prefills:
+        positions = [torch.tensor([c.num_computed_tokens for c in decodes], dtype=torch.long)]
+        for chunk in ordered:
             start = len(token_ids)
-            n = len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
-            blocks = torch.tensor(chunk.block_ids, dtype=torch.long)
-            positions = torch.arange(chunk.num_computed_tokens, chunk.num_computed_tokens + n)
-            slots.append(blocks[positions // bs] * bs + positions % bs)
             if chunk.sample:
-                sample_rows.append(start + n - 1)
+                sample_rows.append(start + len(chunk.token_ids) - 1)
                 sample_chunks.append(chunk)
-            if not is_decode(chunk):
-                cu.append(cu[-1] + n)
-                needed = -(-(chunk.num_computed_tokens + n) // bs)
-                prefill_sequences.append(
-                    PrefillSequence(start, n, chunk.num_computed_tokens, blocks[:needed].to(self.device))
-                )
-        max_blocks = max((len(c.block_ids) for c in decodes), default=1)
-        decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, c in enumerate(decodes):
-            decode_tables[i, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
+        positions += [torch.arange(c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids)) for c in prefills]
+        token_positions = torch.cat(positions)
+        counts = torch.tensor([len(c.token_ids) for c in ordered], dtype=torch.long)
+        token_rows = torch.tensor(rows, dtype=torch.long).repeat_interleave(counts)
+        slot_mapping = tables.table[token_rows, token_positions // bs] * bs + token_positions % bs
 
         dev = self.device
+        prefill_sequences: list[PrefillSequence] = []
+        cu = [0]
+        start = len(decodes)
+        for chunk, row in zip(prefills, rows[len(decodes):], strict=True):
+            n = len(chunk.token_ids)
+            cu.append(cu[-1] + n)
+            needed = -(-(chunk.num_computed_tokens + n) // bs)
+            prefill_sequences.append(
+                PrefillSequence(start, n, chunk.num_computed_tokens, tables.table[row, :needed].to(dev))
+            )
+            start += n
+        decode_rows = rows[: len(decodes)]
+        max_blocks = max((tables.lengths[r] for r in decode_rows), default=1)
+        decode_tables = tables.table[decode_rows, :max_blocks] if decode_rows else torch.zeros(0, 1, dtype=torch.long)
 
         def to_dev(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(dev)
@@ -86,7 +96,7 @@ class ModelRunner:
         ctx = ForwardContext(
             num_tokens=len(token_ids),
             num_decodes=len(decodes),
-            slot_mapping=torch.cat(slots).to(dev),
+            slot_mapping=slot_mapping.to(dev),
             decode_state_slots=to_dev([c.state_slot for c in decodes]),
             decode_block_tables=decode_tables.to(dev),
             decode_seq_lens=to_dev([c.num_computed_tokens + 1 for c in decodes]),
@@ -98,15 +108,16 @@ class ModelRunner:
         )
         return PreparedStep(to_dev(token_ids), ctx, to_dev(sample_rows), sample_chunks)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for new in scheduler_output.new_requests:
             self.sampling_params[new.request_id] = new.sampling_params
         for request_id in scheduler_output.finished_request_ids:
             self.sampling_params.pop(request_id, None)
+        self.block_tables.drop(scheduler_output.finished_request_ids)
         if self.state_store is not None:
             self.state_store.before_forward(scheduler_output)
         if not scheduler_output.chunks:
+            self.block_tables.drop(scheduler_output.preempted_request_ids)
             return ModelRunnerOutput()
 
         step = self.prepare(scheduler_output)

@@ -39,14 +39,16 @@ def test_chunked_prefill_then_decode():
     s.add_request(make_request("a", 19, max_tokens=2))
     out, _ = run_step(s)
     (c,) = out.chunks
-    assert (c.num_computed_tokens, c.token_ids, c.block_ids, c.sample) == (0, list(range(1, 9)), [0, 1], False)
+    assert (c.num_computed_tokens, c.token_ids, c.new_block_ids, c.table_reset, c.sample) == (
+        0, list(range(1, 9)), [0, 1], True, False)
     assert [n.request_id for n in out.new_requests] == ["a"]
     out, _ = run_step(s)
-    assert out.chunks[0].num_computed_tokens == 8 and out.chunks[0].block_ids == [0, 1, 2, 3]
+    assert out.chunks[0].num_computed_tokens == 8 and out.chunks[0].new_block_ids == [2, 3]  # only what is new
+    assert not out.chunks[0].table_reset
     assert out.new_requests == []
     out, _ = run_step(s)
     c = out.chunks[0]
-    assert (c.num_computed_tokens, c.token_ids, c.sample, c.block_ids) == (16, [17, 18, 19], True, [0, 1, 2, 3, 4])
+    assert (c.num_computed_tokens, c.token_ids, c.sample, c.new_block_ids) == (16, [17, 18, 19], True, [4])
     out, finished = run_step(s)
     c = out.chunks[0]
     assert (c.num_computed_tokens, c.token_ids, c.sample, c.num_output_tokens) == (19, [7], True, 1)

@@ -1,8 +1,9 @@
 """A seeded fuzz of the scheduler with up to four steps in flight, against a fake worker that keeps the
 caches' contents.
 
-The fake worker stores, per KV block, the token at each position; per state slot and checkpoint unit,
-a rolling hash of the tokens the state has consumed. Running a chunk reads the request's earlier
+The fake worker keeps block tables as the real one does (`BlockTables`, sent incrementally) and
+stores, per KV block, the token at each position; per state slot and checkpoint unit, a rolling
+hash of the tokens the state has consumed. Running a chunk reads the request's earlier
 tokens back out of its blocks and checks that its state slot holds exactly their hash, so a wrong
 prefix hit, a checkpoint loaded before it was saved, or a block overwritten while still findable
 fails at once. The sampled token is a function of that state, so outputs depend only on what the
@@ -26,6 +27,7 @@ from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.core.state_pool import StateSlotPool
+from deltaserve.worker.block_tables import BlockTables
 
 BS = 4
 VOCAB = 50
@@ -45,8 +47,10 @@ class FakeWorker:
         self.blocks: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]
         self.slots: list[int | None] = [None] * num_slots
         self.units: list[int | None] = [None] * max(num_units, 1)
+        self.tables = BlockTables(rows=2, width=2)  # the real worker's incremental tables, grown from tiny
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.tables.drop(out.finished_request_ids + out.preempted_request_ids)
         for save in out.state_saves_before:
             self._save(save.state_slot, save.unit_ids)
         for load in out.state_loads:
@@ -55,13 +59,16 @@ class FakeWorker:
             self.slots[load.state_slot] = images.pop()
         sampled = {}
         for chunk in out.chunks:
+            self.tables.apply(chunk)
+            table = self.tables.ids(chunk.request_id)
             start = chunk.num_computed_tokens
-            before = [self._read(chunk.block_ids, p) for p in range(start)]
+            assert len(table) * BS >= start + chunk.num_tokens, f"{chunk.request_id}: its table is too short"
+            before = [self._read(table, p) for p in range(start)]
             state = 0 if start == 0 else self.slots[chunk.state_slot]
             assert state == roll(0, before), f"{chunk.request_id}: the state does not match its KV at {start}"
             for i, token in enumerate(chunk.token_ids):
                 block, offset = divmod(start + i, BS)
-                self.blocks[chunk.block_ids[block]][offset] = token
+                self.blocks[table[block]][offset] = token
             state = roll(state, chunk.token_ids)
             self.slots[chunk.state_slot] = state
             if chunk.sample:
