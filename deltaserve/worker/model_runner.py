@@ -108,6 +108,7 @@ class ModelRunner:
         )
         return PreparedStep(to_dev(token_ids), ctx, to_dev(sample_rows), sample_chunks)
 
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for new in scheduler_output.new_requests:
             self.sampling_params[new.request_id] = new.sampling_params
