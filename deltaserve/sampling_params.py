@@ -35,11 +35,16 @@ def stop_string_error(where: str, stop: object) -> str | None:
             f"{where} is {len(stop)} characters long; stop strings may be at most "
             f"{MAX_STOP_STRING_CHARS} characters"
         )
+    return lone_surrogate_error(where, stop)  # no generated text can contain one
+
+
+def lone_surrogate_error(where: str, text: str) -> str | None:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are not text: why `text` is refused,
+    naming `where`, or None if it is valid Unicode."""
     try:
-        stop.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as e:
-        # JSON can carry lone UTF-16 surrogates ("\\ud800"), which no generated text can contain
-        return f"{where}: the text is not valid Unicode (a lone surrogate {stop[e.start]!a} at character {e.start})"
+        return f"{where}: the text is not valid Unicode (a lone surrogate {text[e.start]!a} at character {e.start})"
     return None
 
 

@@ -122,16 +122,17 @@ class BlockPool:
         """File a full, computed block under its hash; False if the block's parent is not cached (the
         chain would be unreachable) or it is filed already. A hash cached in another block makes this
         block that one's duplicate (True)."""
-        if self._hash_of[block_id] is not None or block_id in self._duplicate_of:
-            return self._hash_of[block_id] == block_hash or self._duplicate_of.get(block_id) == block_hash
+        filed = self._hash_of[block_id] or self._duplicate_of.get(block_id)
+        if filed is not None:
+            return filed == block_hash
         if parent is not None and parent not in self._cached:
             return False
-        if block_hash in self._cached:
-            if self._cached[block_hash] != block_id and self._ref_counts[block_id] > 0:
-                self._duplicates.setdefault(block_hash, []).append(block_id)
-                self._duplicate_of[block_id] = block_hash
-                return True
-            return False
+        if block_hash in self._cached:  # held by another block: this one is its duplicate while held
+            if self._ref_counts[block_id] == 0:
+                return False
+            self._duplicates.setdefault(block_hash, []).append(block_id)
+            self._duplicate_of[block_id] = block_hash
+            return True
         self._cached[block_hash] = block_id
         self._hash_of[block_id] = block_hash
         self._parent[block_hash] = parent

@@ -366,11 +366,10 @@ class Scheduler:
         """After the step ran (steps are reported in the order they were scheduled): unpin what it
         loaded, mark what it saved written, append each sampled token of a request still in the life
         it was scheduled in, and finish requests that hit a stop condition; returns the finished ones."""
-        record = self.in_flight.pop(scheduler_output.step_id, None)
-        if record is None:
-            raise ValueError(f"step {scheduler_output.step_id} is not in flight (reported twice, or never scheduled)")
-        if any(step_id < record.step_id for step_id in self.in_flight):
-            raise ValueError(f"step {record.step_id} reported before an earlier step still in flight")
+        oldest = next(iter(self.in_flight), None)
+        if oldest != scheduler_output.step_id:
+            raise ValueError(f"step {scheduler_output.step_id} reported, but the oldest step in flight is {oldest}")
+        record = self.in_flight.pop(oldest)
         pc = self.prefix_cache
         if pc is not None:
             for cp in record.pinned:

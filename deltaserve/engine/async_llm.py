@@ -29,8 +29,8 @@ import zmq
 import zmq.asyncio
 
 from deltaserve.engine.core import EngineCoreRequest
-from deltaserve.engine.engine_watch import EngineWatch, WatchSettings
-from deltaserve.engine.heartbeat import FrontendHeartbeat
+from deltaserve.engine.engine_watch import EngineWatch, WatchSettings, cancel_and_wait
+from deltaserve.engine.heartbeat import Heartbeat, frontend_heartbeat
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.processor import InputProcessor, ModelInfo, PromptInput
 from deltaserve.outputs import RequestOutput
@@ -84,11 +84,11 @@ class AsyncLLM:
         self.socket.connect(address)
         self._on_dead = on_dead
         self._beat_context: zmq.Context | None = None
-        self._heartbeat: FrontendHeartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self.watch: EngineWatch | None = None
         if watch is not None:
             self._beat_context = zmq.Context()  # the beat thread's socket is a blocking one
-            self._heartbeat = FrontendHeartbeat(self._beat_context, address, self.frontend_id)
+            self._heartbeat = frontend_heartbeat(self._beat_context, address, self.frontend_id)
             self.watch = EngineWatch(self.context, self.socket, watch, self.mark_dead)
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -148,13 +148,8 @@ class AsyncLLM:
             await self.watch.stop()
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
+        await cancel_and_wait(self._reader)
+        self._reader = None
         self.socket.close(0)
         self.context.term()
         if self._beat_context is not None:

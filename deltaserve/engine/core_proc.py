@@ -41,7 +41,7 @@ import zmq
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.core.request import RequestStatus
 from deltaserve.engine.core import EngineCore, EngineCoreRequest
-from deltaserve.engine.heartbeat import CoreHeartbeat, FrontendRegistry
+from deltaserve.engine.heartbeat import HEARTBEAT_INTERVAL_S, FrontendRegistry, core_heartbeat
 from deltaserve.engine.processor import ModelInfo
 from deltaserve.metrics.prometheus import EngineMetrics
 from deltaserve.metrics.stats_logger import StatsLogger
@@ -94,8 +94,9 @@ class EngineCoreProc:
         self.socket.bind(address)
         self._owners: dict[str, bytes] = {}  # request id -> the front end that sent it
         self._frontends = FrontendRegistry()
+        self._next_liveness_check = 0.0
         self._step_started: float | None = None
-        self.heartbeat = CoreHeartbeat(self.context, heartbeat_address(address), self._busy_for_s)
+        self.heartbeat = core_heartbeat(self.context, heartbeat_address(address), self._busy_for_s)
         self._stopping = False
 
     def _busy_for_s(self) -> float:
@@ -152,8 +153,13 @@ class EngineCoreProc:
             timeout_ms = 0
 
     def _abort_silent_frontends(self) -> None:
-        """Abort the requests of front ends that stopped beating (killed, or hung)."""
-        gone = set(self._frontends.silent(set(self._owners.values())))
+        """Abort the requests of front ends that stopped beating (killed, or hung); looked at once per
+        heartbeat interval, not on every pass of the loop."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return
+        self._next_liveness_check = now + HEARTBEAT_INTERVAL_S
+        gone = set(self._frontends.silent(set(self._owners.values()), now))
         if not gone:
             return
         ids = [rid for rid, owner in self._owners.items() if owner in gone]

@@ -32,6 +32,17 @@ ENGINE_SILENT_AFTER_S = 10.0
 DEFAULT_STUCK_AFTER_S = 60.0
 
 
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has ended, whatever it raised."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+
+
 @dataclass
 class WatchSettings:
     """Where the core's heartbeat is published, whose child this process is, and the time limits."""
@@ -61,20 +72,15 @@ class EngineWatch:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def problem(self, now: float | None = None) -> str | None:
         """None while the core is alive and making progress, else why it is not."""
         if self.gone_reason is not None:
             return self.gone_reason
         now = time.monotonic() if now is None else now
-        in_step_for = self._busy_for_s + (now - self._last_beat) if self._busy_for_s else now - self._last_beat
+        in_step_for = self._busy_for_s + now - self._last_beat  # the step the last beat saw, and since
         if in_step_for > self.settings.stuck_after_s:
             return f"the engine core has made no progress for {in_step_for:.1f} s (one step or no heartbeat)"
         return None

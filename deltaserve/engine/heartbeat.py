@@ -32,16 +32,27 @@ def _dumps(message: tuple) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-class _Beater:
-    """A daemon thread calling `beat()` every `interval_s` until `stop()`."""
+class Heartbeat:
+    """A daemon thread that sends `message()` every `interval_s` on a socket of its own (made, bound
+    or connected, and closed in the thread) until `stop()`. A beat that cannot be queued at once is
+    dropped: a peer that is not reading needs no backlog of them."""
 
-    def __init__(self, name: str, interval_s: float) -> None:
+    def __init__(self, name: str, context: zmq.Context, socket_type: int, address: str, bind: bool,
+                 message: Callable[[], tuple], interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.context = context
+        self.socket_type = socket_type
+        self.address = address
+        self.bind = bind
+        self.message = message
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
+        """Start beating; returns once the socket is bound or connected (peers may connect at once)."""
         self._thread.start()
+        self._ready.wait(5.0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -49,82 +60,42 @@ class _Beater:
             self._thread.join(5 * self.interval_s)
 
     def _run(self) -> None:
+        sock = None
         try:
-            self.setup()
+            sock = self.context.socket(self.socket_type)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 4)
+            if self.bind:
+                sock.bind(self.address)
+            else:
+                sock.connect(self.address)
+            self._ready.set()
             while not self._stop.is_set():
-                self.beat()
+                try:
+                    sock.send(_dumps(self.message()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 self._stop.wait(self.interval_s)
         except zmq.ZMQError as e:  # the context was terminated under us: the process is stopping
             logger.debug("%s stopped: %s", self._thread.name, e)
         finally:
-            self.teardown()
-
-    def setup(self) -> None: ...
-
-    def beat(self) -> None: ...
-
-    def teardown(self) -> None: ...
+            self._ready.set()
+            if sock is not None:
+                sock.close(0)
 
 
-class CoreHeartbeat(_Beater):
-    """The engine core's beat: publishes how long the current step has been running."""
-
-    def __init__(self, context: zmq.Context, address: str, busy_for_s: Callable[[], float],
-                 interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
-        super().__init__("deltaserve-core-heartbeat", interval_s)
-        self.context = context
-        self.address = address
-        self.busy_for_s = busy_for_s
-        self.socket: zmq.Socket | None = None
-        self._bound = threading.Event()
-
-    def start(self) -> None:
-        super().start()
-        self._bound.wait(5.0)  # front ends may connect as soon as the core reports ready
-
-    def setup(self) -> None:
-        self.socket = self.context.socket(zmq.PUB)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(self.address)
-        self._bound.set()
-
-    def beat(self) -> None:
-        assert self.socket is not None
-        self.socket.send(_dumps(("heartbeat", self.busy_for_s())))
-
-    def teardown(self) -> None:
-        self._bound.set()
-        if self.socket is not None:
-            self.socket.close(0)
+def core_heartbeat(context: zmq.Context, address: str, busy_for_s: Callable[[], float],
+                   interval_s: float = HEARTBEAT_INTERVAL_S) -> Heartbeat:
+    """The engine core's beat: a PUB at `address` saying how long the current step has run."""
+    return Heartbeat("deltaserve-core-heartbeat", context, zmq.PUB, address, True,
+                     lambda: ("heartbeat", busy_for_s()), interval_s)
 
 
-class FrontendHeartbeat(_Beater):
-    """A front end's beat to the core, naming the routing id of its request socket."""
-
-    def __init__(self, context: zmq.Context, address: str, frontend_id: bytes,
-                 interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
-        super().__init__("deltaserve-frontend-heartbeat", interval_s)
-        self.context = context
-        self.address = address
-        self.frontend_id = frontend_id
-        self.socket: zmq.Socket | None = None
-
-    def setup(self) -> None:
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 4)  # a core that is not reading needs no backlog of beats
-        self.socket.connect(self.address)
-
-    def beat(self) -> None:
-        assert self.socket is not None
-        try:
-            self.socket.send(_dumps(("heartbeat", self.frontend_id)), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the queue is full: the core has not read the last few; it will see one of them
-
-    def teardown(self) -> None:
-        if self.socket is not None:
-            self.socket.close(0)
+def frontend_heartbeat(context: zmq.Context, address: str, frontend_id: bytes,
+                       interval_s: float = HEARTBEAT_INTERVAL_S) -> Heartbeat:
+    """A front end's beat to the core: its own DEALER, naming the routing id of the request socket."""
+    return Heartbeat("deltaserve-frontend-heartbeat", context, zmq.DEALER, address, False,
+                     lambda: ("heartbeat", frontend_id), interval_s)
 
 
 class FrontendRegistry:

@@ -17,7 +17,7 @@ from deltaserve.engine.core import EngineCoreRequest
 from deltaserve.model_files.embedded import embedded_model_dir
 from deltaserve.model_files.random_model import random_model_config, random_model_tokenizer, random_preset_name
 from deltaserve.model_files.tokenizer import load_tokenizer
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, lone_surrogate_error
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -50,16 +50,6 @@ class ModelInfo:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         return cls(model_dir, model_config, tokenizer, max_model_len, tuple(sorted(eos)))
-
-
-def _check_encodable(text: str) -> None:
-    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are not text: refuse them by name."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"prompt: the text is not valid Unicode (a lone surrogate {text[e.start]!a} at character {e.start})"
-        ) from None
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
@@ -105,7 +95,9 @@ class InputProcessor:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
             self.check_text_length(prompt)
-            _check_encodable(prompt)
+            message = lone_surrogate_error("prompt", prompt)
+            if message is not None:
+                raise ValueError(message)
             if self.tokenizer is None:
                 raise ValueError(
                     "prompt: this checkpoint has no tokenizer; pass token ids ({'prompt_token_ids': [...]})"

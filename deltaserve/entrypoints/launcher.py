@@ -248,9 +248,8 @@ class Server:
                 self.core.join(5)
 
 
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
+def _describe_exit(exitcode: int) -> str:
+    """How a child that is no longer alive ended."""
     if exitcode < 0:
         return f"killed by {signal.Signals(-exitcode).name}"
     if exitcode == EXIT_ENGINE_GONE:

@@ -50,7 +50,6 @@ class ModelRunner:
         """Flatten the step. Host-side work only; one transfer per tensor. Call once per step, in
         step order: it takes in the step's new block ids."""
         tables = self.block_tables
-        tables.drop(scheduler_output.preempted_request_ids)  # their next life starts a new table
         chunks = scheduler_output.chunks
         decodes = [c for c in chunks if is_decode(c)]
         prefills = [c for c in chunks if not is_decode(c)]
@@ -114,11 +113,11 @@ class ModelRunner:
             self.sampling_params[new.request_id] = new.sampling_params
         for request_id in scheduler_output.finished_request_ids:
             self.sampling_params.pop(request_id, None)
-        self.block_tables.drop(scheduler_output.finished_request_ids)
+        # finished requests are gone; preempted ones start a new table in their next life
+        self.block_tables.drop(scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids)
         if self.state_store is not None:
             self.state_store.before_forward(scheduler_output)
         if not scheduler_output.chunks:
-            self.block_tables.drop(scheduler_output.preempted_request_ids)
             return ModelRunnerOutput()
 
         step = self.prepare(scheduler_output)

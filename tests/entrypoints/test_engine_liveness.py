@@ -18,7 +18,7 @@ from deltaserve.config.engine_config import EngineConfig
 from deltaserve.engine.core import EngineCoreRequest
 from deltaserve.engine.core_proc import EngineCoreProc, heartbeat_address
 from deltaserve.engine.engine_watch import EngineWatch, WatchSettings
-from deltaserve.engine.heartbeat import CoreHeartbeat, FrontendRegistry
+from deltaserve.engine.heartbeat import FrontendRegistry, core_heartbeat
 from deltaserve.entrypoints.openai.api_server import FrontendSettings, build_app
 from deltaserve.sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ def _watch_core(tmp_path, busy_for_s: float, stuck_after_s: float) -> tuple[str 
     """A real core heartbeat (reporting `busy_for_s`) watched for 0.5 s; (problem(), gone reasons)."""
     address = f"ipc://{tmp_path}/heartbeat.sock"
     beat_context = zmq.Context()
-    beat = CoreHeartbeat(beat_context, address, lambda: busy_for_s, interval_s=0.05)
+    beat = core_heartbeat(beat_context, address, lambda: busy_for_s, interval_s=0.05)
     beat.start()
     gone: list[str] = []
     try:

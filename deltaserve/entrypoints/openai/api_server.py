@@ -176,8 +176,8 @@ def build_app(settings: FrontendSettings, info: ModelInfo | None = None) -> Fast
     @app.middleware("http")
     async def check_api_key_and_engine(request: Request, call_next):
         if request.url.path.startswith("/v1/"):
-            if settings.api_key and not _key_matches(request.headers.get("authorization", ""), settings.api_key):
-                header = request.headers.get("authorization")
+            header = request.headers.get("authorization", "")
+            if settings.api_key and not _key_matches(header, settings.api_key):
                 message = "Incorrect API key provided." if header else "Missing API key: send Authorization: Bearer"
                 return OpenAIError(message, 401, code="invalid_api_key").response()
             dead = state["engine"].dead if "engine" in state else None
