@@ -68,7 +68,7 @@ SECTIONS = ("ceilings", "prefill", "decode", "offline", "transformers")
 FULL = dict(
     preset="kimi-linear-48b-a3b", copy_gib=4, matmul_n=8192, prefill_long=32768, prefill_batch=(8, 4096),
     decode_ctx=4096, decode_batches=(256, 64, 16, 1), decode_steps=20, decode_warmup=3,
-    decode_max_tokens=128,  # >= batches * (warmup + probe + steps): no request ends while it is timed
+    decode_max_tokens=256,  # >= modes * batches * (warmup + probe + steps + profile): none ends while timed
     offline=(256, 2048, 256), hf_prompt=512, hf_new=64, hf_prefill=8192, reps=2,
     max_num_batched_tokens=32768, max_num_seqs=256, time_budget=540,
     reserve=dict(decode=60, offline=40, compare_deltaserve=15, transformers=100),  # seconds a section needs
@@ -406,12 +406,23 @@ def profile_steps(engine: Any, n: int, top: int = 15) -> dict[str, Any]:
     }
 
 
+def set_async_scheduling(engine: Any, on: bool) -> None:
+    """Switch the engine core between one and two steps in flight, after applying what is in flight."""
+    core = engine.core
+    core.batch_queue_size = 1  # step() schedules nothing while the queue is full: it only drains
+    while core._batch_queue:
+        engine.step()
+    core.async_scheduling = on
+    core.batch_queue_size = 2 if on else 1
+
+
 def section_decode(run: Run) -> dict[str, Any]:
     s, cfg, engine = run.sizes, run.config, run.llm.llm_engine
     sched, params = engine.core.scheduler, greedy(s["decode_max_tokens"])
     batches = sorted(s["decode_batches"], reverse=True)
     ids = [f"decode-{i}" for i in range(batches[0])]
     copy_bw = run.rate("copy_GBps")
+    modes = [m == "on" for m in run.args.async_scheduling.split(",")]
     out: dict[str, Any] = {"context_tokens": s["decode_ctx"]}
     try:
         for rid, prompt in zip(ids, random_prompts(len(ids), s["decode_ctx"], cfg.vocab_size, seed=20), strict=True):
@@ -423,9 +434,10 @@ def section_decode(run: Run) -> dict[str, Any]:
                    preemptions=sched.num_preemptions_total)
         log(f"decode: {len(ids)} x {s['decode_ctx']} prefilled in {out['prefill_all_s']:.1f} s")
         alive = [r for r in ids if sched.get_request(r) is not None and not sched.get_request(r).is_finished]
-        for b in batches:
+        for b, on in ((b, on) for b in batches for on in modes):
             engine.abort_request(alive[b:])
             alive = alive[:b]
+            set_async_scheduling(engine, on)
             for _ in range(s["decode_warmup"]):
                 engine.step()
             with routing_probe(engine, cfg.num_experts) as calls:
@@ -438,9 +450,10 @@ def section_decode(run: Run) -> dict[str, Any]:
             uniform = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, b)
             distinct, source = (measured, "measured_decode_step") if measured is not None else (uniform, "uniform")
             nbytes = decode_step_bytes(cfg, b, total_context, distinct)
-            gbps = {k: decode_step_bytes(cfg, b, total_context, v)["total"] / timing["step_s"] / 1e9
+            step_s = timing["step_s_median"]  # the median of steps that ran the model
+            gbps = {k: decode_step_bytes(cfg, b, total_context, v)["total"] / step_s / 1e9
                     for k, v in (("mbu", distinct), ("mbu_uniform_experts", uniform))}
-            row = dict(timing, batch=b, tokens_per_s=b / timing["step_s"], mean_context=total_context / b,
+            row = dict(timing, batch=b, async_scheduling=on, tokens_per_s=b / step_s, mean_context=total_context / b,
                        distinct_experts=distinct, distinct_experts_source=source, distinct_experts_measured=measured,
                        distinct_experts_uniform=uniform, bytes=nbytes,
                        achieved_GBps=gbps["mbu"], **{k: v / copy_bw if copy_bw else None for k, v in gbps.items()})
@@ -451,8 +464,9 @@ def section_decode(run: Run) -> dict[str, Any]:
                         f"{row['profile']['kernel_us_per_step'] / 1e3:.2f} ms of kernel time/step")
                 except Exception as e:  # a profile is a bonus: never lose the timing over it
                     row["profile"] = {"error": repr(e)}
-            out[f"batch_{b}"] = row
-            log(f"decode B={b}: {timing['step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s, "
+            out[f"batch_{b}_async" if on else f"batch_{b}"] = row
+            log(f"decode B={b} async={on}: {timing['step_s'] * 1e3:.2f} ms/step "
+                f"(median {timing['step_s_median'] * 1e3:.2f}), {row['tokens_per_s']:.0f} tok/s, "
                 f"MBU {row['mbu'] or 0:.1%} (experts {distinct:.1f}, {source})")
     finally:
         engine.abort_request(ids)
@@ -617,10 +631,13 @@ def table(results: dict[str, Any]) -> str:
         if isinstance(p, dict):
             rows.append(("prefill", key, f"{p['tokens_per_s']:,.0f} tok/s ({p['seconds']:.3f} s)",
                          f"MFU {pct(p['mfu'])}", ">= 40% MFU" if key.startswith("1x") else ""))
-    for r in sorted((v for k, v in d.items() if k.startswith("batch_")), key=lambda r: r["batch"]):
-        rows.append(("decode", f"B={r['batch']} ctx {r['mean_context']:.0f}",
-                     f"{r['step_s'] * 1e3:.2f} ms/step, {r['tokens_per_s']:,.0f} tok/s",
-                     f"MBU {pct(r['mbu'])}, sched {r['schedule_s'] * 1e3:.2f} ms",
+    decode_rows = (v for k, v in d.items() if k.startswith("batch_"))
+    for r in sorted(decode_rows, key=lambda r: (r["batch"], r.get("async_scheduling", False))):
+        kernels = r.get("profile", {}).get("kernel_us_per_step")
+        mode = "on" if r.get("async_scheduling") else "off"
+        rows.append(("decode", f"B={r['batch']} ctx {r['mean_context']:.0f} async {mode}",
+                     f"median {r['step_s_median'] * 1e3:.2f} ms/step, {r['batch'] / r['step_s_median']:,.0f} tok/s",
+                     f"MBU {pct(r['mbu'])}" + (f", kernels {kernels / 1e3:.2f} ms" if kernels else ""),
                      ">= 60% MBU" if r["batch"] in (1, 64) else ""))
     if "output_tokens_per_s" in o:
         rows.append(("offline", f"{o['requests']} req", f"{o['output_tokens_per_s']:,.0f} out tok/s",
@@ -653,6 +670,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="device", choices=("device", "cpu"), help="where random weights are drawn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="engine option: no CUDA graphs")
+    p.add_argument("--decode-batches", default=None, help="comma list of decode batch sizes (default 256,64,16,1)")
+    p.add_argument("--async-scheduling", default="off,on", choices=("off", "on", "off,on"),
+                   help="decode steps with one step in flight, two, or both")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--time-budget", type=float, default=None, help="seconds after which sections are skipped")
@@ -662,6 +682,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     sizes = dict(QUICK if args.quick else FULL)
+    if args.decode_batches:
+        sizes["decode_batches"] = tuple(int(b) for b in args.decode_batches.split(","))
     preset = args.preset or sizes["preset"]
     sections = [x.strip() for x in args.only.split(",") if x.strip()]
     if set(sections) - set(SECTIONS) or not torch.cuda.is_available():

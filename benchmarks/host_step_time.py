@@ -142,7 +142,7 @@ def run_config(runner: ModelRunner, n: int, context: int, caching: bool, args: a
             marks.append(_now())
             sampled = fake_sampled(scheduler, gen, vocab)
             marks.append(_now())
-            finished = scheduler.update_from_output(out, sampled)
+            finished = scheduler.update_from_output(out, sampled).finished
             marks.append(_now())
             assert not finished and scheduler.num_running == n, "a request finished or was preempted"
             if step >= args.warmup:

@@ -25,6 +25,9 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
                             help="the most logprobs a request may ask for per token")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="cache KV blocks and KDA state checkpoints across requests")),
+    ("--async-scheduling", dict(action=argparse.BooleanOptionalAction, default=None,
+                                help="schedule the next step while the device runs this one (default: on "
+                                     "with CUDA, off on the CPU)")),
     ("--state-checkpoint-interval", dict(type=int, default=None,
                                          help="tokens between state checkpoint rungs (a multiple of block size)")),
     ("--state-checkpoint-fraction", dict(type=float, default=EngineConfig.state_checkpoint_fraction,

@@ -55,6 +55,9 @@ class EngineConfig:
     state_checkpoint_interval: int | None = None  # tokens between rungs; None: about one image's worth of KV
     state_checkpoint_fraction: float = 0.25  # of the cache left after live state slots, for checkpoints
     state_checkpoint_unit_bytes: int | None = None  # None: min(image, 1 MiB)
+    # two steps in flight: the next step is scheduled while the device runs this one. None: on where it
+    # was measured to pay (CUDA), off on the CPU, where a step runs inside the call that launches it
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel: ParallelConfig = field(init=False)
@@ -93,6 +96,12 @@ class EngineConfig:
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size
         )
+
+    def resolve_async_scheduling(self, device_type: str) -> bool:
+        """Whether the engine keeps two steps in flight on a device of this type."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device_type == "cuda"
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -34,6 +36,9 @@ class Request:
 
     `num_computed_tokens` chases `num_tokens`: a prefill chunk or a decode step advances it, a
     preemption resets it to 0 (the KDA state cannot be rewound, so recompute starts over).
+
+    With steps in flight (async scheduling) a step that samples for the request leaves a placeholder
+    (`num_pending_outputs`) until its output is applied; the next step may already decode on it.
     """
 
     request_id: str
@@ -53,6 +58,7 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
     boundary_num_tokens: int = 0  # position of the state held in the boundary slot (0: none)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    num_pending_outputs: int = 0  # tokens sampled by steps in flight, not applied yet
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,8 +72,23 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the scheduler may compute up to: known tokens plus the placeholders of steps in flight."""
+        return self.num_tokens + self.num_pending_outputs
+
+    def may_run_ahead(self, max_model_len: int) -> bool:
+        """Whether another step may decode on the pending placeholders: only while no length limit
+        can have ended the request with them (a stop token still may: that step's output is dropped)."""
+        return (self.num_output_tokens + self.num_pending_outputs < self.max_tokens
+                and self.num_tokens_with_pending < max_model_len)
+
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Token ids [start, stop) of prompt + output."""
+        """Token ids [start, stop) of prompt + output; PLACEHOLDER_TOKEN_ID past the known tokens."""
+        known = self.num_tokens
+        if stop > known:
+            head = self.token_slice(start, known) if start < known else []
+            return head + [PLACEHOLDER_TOKEN_ID] * (stop - max(start, known))
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]

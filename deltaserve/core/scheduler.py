@@ -24,6 +24,11 @@ the previous step, and outputs are applied in step order. What a step holds unti
   (`Checkpoint.written`).
 A request preempted (or finished) while a step that ran it is in flight drops that step's late
 sample: each step records the life (`num_preemptions`) of the requests it runs.
+
+A step that samples for a request leaves a placeholder on it (`Request.num_pending_outputs`) until
+the step is reported; the next step may decode on it (`PLACEHOLDER_TOKEN_ID`, filled in by the
+worker from the id it sampled), unless a length limit can have ended the request. With one step in
+flight there is never a placeholder when `schedule()` runs.
 """
 
 from __future__ import annotations
@@ -73,6 +78,16 @@ class StepRecord:
     lives: dict[str, int] = field(default_factory=dict)  # request id -> num_preemptions when scheduled
     boundaries: dict[str, int] = field(default_factory=dict)  # request id -> boundary its copy sets
     commits: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk end) to commit
+    samples: set[str] = field(default_factory=set)  # requests this step samples for (a placeholder each)
+
+
+@dataclass
+class StepUpdate:
+    """What applying one step's output did: the requests it finished, and the requests whose sampled
+    token it appended (a late sample of a request preempted, aborted or finished since is not)."""
+
+    finished: list[Request] = field(default_factory=list)
+    applied: set[str] = field(default_factory=set)
 
 
 def boundary_key(request_id: str) -> str:
@@ -159,14 +174,16 @@ class Scheduler:
     def _file_end_of_sequence(self, request: Request) -> None:
         """File the boundary slot's state (the last block boundary decode crossed) as a checkpoint."""
         pc = self.prefix_cache
-        if pc is None or request.boundary_num_tokens == 0:
+        if pc is None:
             return
-        if any(request.request_id in r.boundaries for r in self.in_flight.values()):
-            return  # a step still in flight copies a later state into the boundary slot
+        boundary = request.boundary_num_tokens
+        for record in self.in_flight.values():  # a step in flight copies a later state into the slot
+            if record.lives.get(request.request_id) == request.num_preemptions:
+                boundary = record.boundaries.get(request.request_id, boundary)
         slot = self.state_pool.slot_of(boundary_key(request.request_id))
-        if slot is None or not self._chain_cached(request, request.boundary_num_tokens):
+        if boundary == 0 or boundary > request.num_tokens or slot is None or not self._chain_cached(request, boundary):
             return
-        cp = pc.file(request, request.boundary_num_tokens, CheckpointKind.END_OF_SEQUENCE)
+        cp = pc.file(request, boundary, CheckpointKind.END_OF_SEQUENCE)
         if cp is not None:
             # saved before anything else in the next step, before any slot can be reused; published
             # when that step is scheduled
@@ -192,6 +209,7 @@ class Scheduler:
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_outputs = 0  # the steps in flight are of its earlier life: their samples are dropped
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -211,6 +229,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_outputs and not request.may_run_ahead(self.config.max_model_len):
+                i += 1
+                continue
             num_new, kind = self._chunk_length(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
@@ -289,7 +310,7 @@ class Scheduler:
     def _chunk_length(self, request: Request, start: int, budget: int) -> tuple[int, CheckpointKind | None]:
         """Tokens to compute from `start`: what is left, within the budget, ending on the first
         checkpoint boundary on the way; and the kind of checkpoint to file at the chunk's end."""
-        end = start + min(request.num_tokens - start, budget)
+        end = start + min(request.num_tokens_with_pending - start, budget)
         if self.prefix_cache is not None and end > start:
             boundary = self.prefix_cache.next_boundary(request, start, end)
             if boundary is not None:
@@ -321,10 +342,13 @@ class Scheduler:
                 new_block_ids=table[sent or 0:],
                 table_reset=sent is None,
                 state_slot=slot,
-                sample=end == request.num_tokens,
-                num_output_tokens=request.num_output_tokens,
+                sample=end == request.num_tokens_with_pending,
+                num_output_tokens=request.num_output_tokens + request.num_pending_outputs,
             )
         )
+        if end == request.num_tokens_with_pending:
+            request.num_pending_outputs += 1
+            record.samples.add(request.request_id)
         request.num_computed_tokens = end
         record.lives[request.request_id] = request.num_preemptions
         pc = self.prefix_cache
@@ -362,10 +386,10 @@ class Scheduler:
             pc.checkpoints.publish(cp.block_hash)
             record.saved.append(cp)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> StepUpdate:
         """After the step ran (steps are reported in the order they were scheduled): unpin what it
         loaded, mark what it saved written, append each sampled token of a request still in the life
-        it was scheduled in, and finish requests that hit a stop condition; returns the finished ones."""
+        it was scheduled in, and finish requests that hit a stop condition."""
         oldest = next(iter(self.in_flight), None)
         if oldest != scheduler_output.step_id:
             raise ValueError(f"step {scheduler_output.step_id} reported, but the oldest step in flight is {oldest}")
@@ -381,7 +405,7 @@ class Scheduler:
             if request is not None and request.num_preemptions == record.lives.get(request_id):
                 request.boundary_num_tokens = boundary
 
-        finished = []
+        update = StepUpdate()
         for chunk in scheduler_output.chunks:
             if not chunk.sample or chunk.request_id not in sampled:
                 continue
@@ -390,13 +414,17 @@ class Scheduler:
                 continue  # aborted or preempted since it was scheduled
             if request.num_preemptions != record.lives.get(chunk.request_id):
                 continue  # a late output of the request's life before a preemption
+            request.num_pending_outputs -= 1
             request.output_token_ids.append(sampled[chunk.request_id])
+            update.applied.add(chunk.request_id)
+            if pc is not None:  # blocks a placeholder completed: their hashes are known now
+                self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request), request.num_computed_tokens)
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-                finished.append(request)
-        return finished
+                update.finished.append(request)
+        return update
 
     # Invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -421,6 +449,11 @@ class Scheduler:
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
         assert len(self.requests) == len(self.running) + len(self.waiting), "a request is neither running nor waiting"
+        for request in self.requests.values():
+            pending = sum(request.request_id in r.samples and r.lives[request.request_id] == request.num_preemptions
+                          for r in self.in_flight.values())
+            assert request.num_pending_outputs == pending, \
+                f"{request.request_id}: {request.num_pending_outputs} placeholders, {pending} sampling steps in flight"
         for request_id, sent in self._sent_blocks.items():
             assert request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING
             assert sent <= len(kv.block_ids(request_id)), f"{request_id}: more block ids sent than it holds"

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A token the scheduler does not know yet: sampled by a step still in flight (async scheduling). It is
+# always the last token of a one-token decode chunk; the worker puts in the id it sampled for that
+# request in its previous step, which it keeps on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -33,7 +38,7 @@ class ScheduledChunk:
     table_reset: bool  # the table starts over with new_block_ids
     state_slot: int
     sample: bool  # the chunk reaches the last known token: sample the next one
-    num_output_tokens: int  # tokens generated so far (seeds per-request sampling deterministically)
+    num_output_tokens: int  # tokens generated so far, placeholders included (seeds per-request sampling)
 
     @property
     def num_tokens(self) -> int:

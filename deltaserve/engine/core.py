@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +26,10 @@ from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.sampling_params import SamplingParams
-from deltaserve.worker.runner_output import TokenLogprobs
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +145,18 @@ class EngineCore:
         )
         self._timings: dict[str, _Timing] = {}
         self._num_computed_tokens = 0
+        device = self.executor.worker.device
+        self.async_scheduling = config.resolve_async_scheduling(device.type)
+        # steps scheduled and handed to the executor, oldest first; async scheduling keeps two in flight
+        self.batch_queue_size = 2 if self.async_scheduling else 1
+        self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
         logger.info(
             "deltaserve engine: model=%s dtype=%s device=%s kv_blocks=%d (block_size %d) state_slots=%d "
-            "checkpoint_units=%d x %d bytes prefix_caching=%s",
-            model_dir, self.executor.worker.dtype, self.executor.worker.device,
+            "checkpoint_units=%d x %d bytes prefix_caching=%s async_scheduling=%s",
+            model_dir, self.executor.worker.dtype, device,
             self.cache_plan.num_blocks, config.block_size, self.cache_plan.num_state_slots,
             self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, caching,
+            self.async_scheduling,
         )
 
     # Requests --------------------------------------------------------------------------------
@@ -188,7 +196,11 @@ class EngineCore:
             self._timings.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests left, or end-of-sequence checkpoint saves that still need a step to run them."""
+        """Requests left, end-of-sequence checkpoint saves that still need a step to run them, or
+        steps in flight."""
+        return self._has_work_to_schedule() or bool(self._batch_queue)
+
+    def _has_work_to_schedule(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_saves
 
     @property
@@ -197,13 +209,29 @@ class EngineCore:
 
     # The loop --------------------------------------------------------------------------------
     def step(self) -> tuple[list[EngineCoreOutput], IterationStats]:
-        """Schedule, run the model, apply the sampled tokens. Returns one output per request that
-        sampled this step, and the step's statistics."""
+        """One turn of the loop: schedule a step if the batch queue has room, then, unless there is
+        room for another one, wait for the oldest step and apply its sampled tokens.
+
+        With one step in flight (synchronous scheduling) every call schedules, runs and applies one
+        step. With async scheduling the next step is scheduled and queued before the oldest is
+        waited for, so the host's work overlaps the device's. Returns one output per request that
+        sampled in the applied step (none when no step was applied), and the turn's statistics.
+        """
         stats = IterationStats()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            self.scheduler.update_from_output(scheduler_output, {})  # nothing ran: close its record
+        queue = self._batch_queue
+        if len(queue) < self.batch_queue_size and self._has_work_to_schedule():
+            scheduler_output = self.scheduler.schedule()
+            queue.append((scheduler_output, self._launch(scheduler_output, stats)))
+            if len(queue) < self.batch_queue_size and not scheduler_output.is_empty:
+                return [], stats  # room for one more step before waiting on this one
+        if not queue:
             return [], stats
+        scheduler_output, handle = queue.popleft()
+        return self._apply(scheduler_output, handle.get_output(), stats), stats
+
+    def _launch(self, scheduler_output: SchedulerOutput, stats: IterationStats) -> AsyncModelRunnerOutput:
+        if scheduler_output.is_empty:
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput())  # nothing to run: only its record to close
         now = time.time()
         for new in scheduler_output.new_requests:
             timing = self._timings.get(new.request_id)
@@ -211,19 +239,22 @@ class EngineCore:
                 timing.first_scheduled_time = now
         stats.num_computed_tokens = scheduler_output.num_scheduled_tokens
         self._num_computed_tokens += stats.num_computed_tokens
-        runner_output = self.executor.execute_model(scheduler_output)
-        finished = {
-            r.request_id: r
-            for r in self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request())
-        }
+        if not self.async_scheduling:
+            return AsyncModelRunnerOutput.ready(self.executor.execute_model(scheduler_output))
+        return self.executor.execute_model(scheduler_output, non_block=True)
+
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+               stats: IterationStats) -> list[EngineCoreOutput]:
+        update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request())
+        finished = {r.request_id: r for r in update.finished}
         now = time.time()
         outputs = []
         for request_id, token_id, lp in zip(
             runner_output.request_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
         ):
             timing = self._timings.get(request_id)
-            if timing is None:
-                continue  # aborted while the step ran
+            if timing is None or request_id not in update.applied:
+                continue  # aborted while the step ran, or a late sample of a request preempted since
             request = finished.get(request_id) or self.scheduler.get_request(request_id)
             if request is None:
                 continue
@@ -238,7 +269,7 @@ class EngineCore:
                 stats.finished.append(self._finished_stats(request, timing, now))
                 del self._timings[request_id]
             outputs.append(out)
-        return outputs, stats
+        return outputs
 
     @staticmethod
     def _record_token(stats: IterationStats, request: Request, timing: _Timing, now: float) -> None:

@@ -94,8 +94,8 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-            while engine.has_pending_saves() and not engine.get_num_unfinished_requests():
-                engine.step()  # the last requests' end-of-sequence checkpoints: written before returning
+            while engine.has_work_without_requests():
+                engine.step()  # steps in flight and the last end-of-sequence saves: done before returning
         except BaseException:
             engine.abort_request([r for r in request_ids if r not in finished])
             raise

@@ -85,6 +85,10 @@ class LLMEngine:
         """End-of-sequence checkpoint saves wait for a step to run them."""
         return self.core.scheduler.has_pending_saves
 
+    def has_work_without_requests(self) -> bool:
+        """No request is left, but steps are in flight or end-of-sequence saves wait for a step."""
+        return self.core.has_unfinished_requests() and not self.core.num_unfinished_requests
+
     def get_num_unfinished_requests(self) -> int:
         return self.core.num_unfinished_requests
 

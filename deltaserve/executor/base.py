@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
-from deltaserve.worker.runner_output import ModelRunnerOutput
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 
 _REGISTRY: dict[str, type[Executor]] = {}
 
@@ -32,7 +32,10 @@ class Executor(ABC):
     def initialize_cache(self, plan: CachePlan) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Run one step. With non_block, return once the step is queued: its output comes with
+        `get_output()` (async scheduling schedules the next step meanwhile)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass

@@ -9,7 +9,7 @@ from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.executor.base import Executor, register_executor
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
-from deltaserve.worker.runner_output import ModelRunnerOutput
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from deltaserve.worker.worker import Worker
 
 
@@ -34,5 +34,6 @@ class UniProcExecutor(Executor):
     def initialize_cache(self, plan: CachePlan) -> None:
         self.worker.initialize_cache(plan)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output, non_block)

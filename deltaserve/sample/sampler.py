@@ -85,8 +85,9 @@ class SamplingMetadata:
                 generators[row] = torch.Generator(device=device).manual_seed(seed)
         asked = [p.logprobs for p in params if p.logprobs is not None]
 
-        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:  # pinned: the host never waits
+            host = torch.tensor(values, dtype=dtype)
+            return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
         return cls(
             temperature=to_dev(

@@ -2,22 +2,30 @@
 
 Sequences that decode (one token on top of existing state) are placed first, prefill chunks after,
 which is the order the layers' forward context expects.
+
+On a GPU a step does not wait for the device, so the host can run ahead of it (async scheduling):
+the step's integers cross in one pinned non-blocking copy, block tables are gathered from a device
+mirror (block_tables.py), a decode token the scheduler does not know yet (PLACEHOLDER_TOKEN_ID) is
+filled in on the device from the id this runner sampled for the request in its previous step, and
+with `non_block` the sampled ids come back by a non-blocking copy that `get_output()` waits for.
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from deltaserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
 from deltaserve.model.forward_context import ForwardContext, PrefillSequence, set_forward_context
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
-from deltaserve.sample.sampler import Sampler, SamplingMetadata, step_seed
+from deltaserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, step_seed
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.cuda_graph import DecodeGraphs
-from deltaserve.worker.runner_output import ModelRunnerOutput, TokenLogprobs
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.state_store import StateCheckpointStore
 
 
@@ -25,16 +33,40 @@ def is_decode(chunk: ScheduledChunk) -> bool:
     return len(chunk.token_ids) == 1 and chunk.num_computed_tokens > 0
 
 
+def to_device(device: torch.device, arrays: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Int lists -> a [len] int64 tensor each on `device`, by one host-to-device copy.
+
+    The lists are packed into one host buffer (an array, several times faster to fill than a tensor
+    from a list) and sliced on the device. On a GPU the buffer is copied into pinned memory and sent
+    non-blocking: the host does not wait for the device, and torch's caching host allocator keeps
+    the pinned block out of reuse until the copy that reads it has run.
+    """
+    flat = array("q")
+    for values in arrays.values():
+        flat.extend(values)
+    host = torch.frombuffer(flat, dtype=torch.long) if flat else torch.zeros(0, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    packed = host.to(device, non_blocking=True)
+    views, start = {}, 0
+    for name, values in arrays.items():
+        views[name] = packed[start : start + len(values)]
+        start += len(values)
+    return views
+
+
 @dataclass
 class PreparedStep:
     input_ids: torch.Tensor  # [T] long
     context: ForwardContext
     sample_rows: torch.Tensor  # [N] long: the row whose logits each sampling request needs
+    sample_table_rows: torch.Tensor  # [N] long: each sampling request's block-table row
     sample_chunks: list[ScheduledChunk]
 
 
 class ModelRunner:
-    """Owns the model and the per-request sampling parameters the worker has been told about."""
+    """Owns the model, the per-request sampling parameters the worker has been told about, every
+    running request's block table and, on the device, the id each request sampled last."""
 
     def __init__(self, model: KimiLinearForCausalLM, block_size: int, device: torch.device) -> None:
         self.model = model
@@ -44,82 +76,130 @@ class ModelRunner:
         self.sampling_params: dict[str, SamplingParams] = {}
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
         self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
-        self.block_tables = BlockTables()  # every running request's table, kept across steps
-
-    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        """Flatten the step. Host-side work only; one transfer per tensor. Call once per step, in
-        step order: it takes in the step's new block ids."""
-        tables = self.block_tables
-        chunks = scheduler_output.chunks
-        decodes = [c for c in chunks if is_decode(c)]
-        prefills = [c for c in chunks if not is_decode(c)]
-        ordered = decodes + prefills
-        rows = [tables.apply(c) for c in ordered]
-        bs = self.block_size
-        token_ids: list[int] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[ScheduledChunk] = []
-        positions = [torch.tensor([c.num_computed_tokens for c in decodes], dtype=torch.long)]
-        for chunk in ordered:
-            start = len(token_ids)
-            token_ids.extend(chunk.token_ids)
-            if chunk.sample:
-                sample_rows.append(start + len(chunk.token_ids) - 1)
-                sample_chunks.append(chunk)
-        positions += [torch.arange(c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids)) for c in prefills]
-        token_positions = torch.cat(positions)
-        counts = torch.tensor([len(c.token_ids) for c in ordered], dtype=torch.long)
-        token_rows = torch.tensor(rows, dtype=torch.long).repeat_interleave(counts)
-        slot_mapping = tables.table[token_rows, token_positions // bs] * bs + token_positions % bs
-
-        dev = self.device
-        prefill_sequences: list[PrefillSequence] = []
-        cu = [0]
-        start = len(decodes)
-        for chunk, row in zip(prefills, rows[len(decodes):], strict=True):
-            n = len(chunk.token_ids)
-            cu.append(cu[-1] + n)
-            needed = -(-(chunk.num_computed_tokens + n) // bs)
-            prefill_sequences.append(
-                PrefillSequence(start, n, chunk.num_computed_tokens, tables.table[row, :needed].to(dev))
-            )
-            start += n
-        decode_rows = rows[: len(decodes)]
-        max_blocks = max((tables.lengths[r] for r in decode_rows), default=1)
-        decode_tables = tables.table[decode_rows, :max_blocks] if decode_rows else torch.zeros(0, 1, dtype=torch.long)
-
-        def to_dev(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev)
-
-        cu_seqlens = torch.tensor(cu, dtype=torch.long)
-        ctx = ForwardContext(
-            num_tokens=len(token_ids),
-            num_decodes=len(decodes),
-            slot_mapping=slot_mapping.to(dev),
-            decode_state_slots=to_dev([c.state_slot for c in decodes]),
-            decode_block_tables=decode_tables.to(dev),
-            decode_seq_lens=to_dev([c.num_computed_tokens + 1 for c in decodes]),
-            prefill_cu_seqlens=cu_seqlens.to(dev),
-            prefill_state_slots=to_dev([c.state_slot for c in prefills]),
-            prefill_has_initial_state=to_dev([c.num_computed_tokens > 0 for c in prefills], torch.bool),
-            prefill_sequences=tuple(prefill_sequences),
-            prefill_cu_seqlens_cpu=cu_seqlens,
-        )
-        return PreparedStep(to_dev(token_ids), ctx, to_dev(sample_rows), sample_chunks)
+        self.block_tables = BlockTables(device=device)  # every running request's table, kept across steps
+        # [rows] long on the device, by block-table row: the token the row's request sampled last;
+        # valid for the requests in _has_sampled (a dropped row's value is stale)
+        self.last_sampled = torch.zeros(self.block_tables.num_rows, dtype=torch.long, device=device)
+        self._has_sampled: set[str] = set()
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """Flatten the step into device tensors without waiting for the device. The host sends the
+        token ids and a few numbers per chunk; per-token positions and slots are expanded on the
+        device. Call once per step, in step order: it takes in the step's new block ids, and its
+        placeholders read the ids the previous step sampled."""
+        tables = self.block_tables
+        decodes = [c for c in scheduler_output.chunks if is_decode(c)]
+        prefills = [c for c in scheduler_output.chunks if not is_decode(c)]
+        rows = [tables.apply(c) for c in decodes + prefills]
+        self._grow_last_sampled()
+        host, sample_chunks = self._host_arrays(decodes, prefills, rows)
+        dev = to_device(self.device, host)
+
+        tables.write_pending(dev["new_block_index"], dev["new_block_ids"])  # before any gather below
+        input_ids = dev["input_ids"]
+        if host["placeholder_at"]:
+            filled = self.last_sampled.index_select(0, dev["placeholder_rows"])
+            input_ids.index_copy_(0, dev["placeholder_at"], filled)
+        num_tokens, nd, bs = len(host["input_ids"]), len(decodes), self.block_size
+        # [T] each token's chunk; output_size keeps repeat_interleave from reading the total back
+        chunk_of_token = torch.repeat_interleave(dev["chunk_lens"], output_size=num_tokens)
+        positions = torch.arange(num_tokens, device=self.device) + dev["position_offsets"][chunk_of_token]
+        prefill_sequences: list[PrefillSequence] = []
+        start = nd
+        for chunk, row in zip(prefills, rows[nd:], strict=True):
+            n = chunk.num_tokens
+            needed = -(-(chunk.num_computed_tokens + n) // bs)
+            prefill_sequences.append(PrefillSequence(start, n, chunk.num_computed_tokens, tables.blocks(row, needed)))
+            start += n
+        max_blocks = max((tables.lengths[r] for r in rows[:nd]), default=1)
+        ctx = ForwardContext(
+            num_tokens=num_tokens,
+            num_decodes=nd,
+            slot_mapping=tables.slot_mapping(dev["chunk_rows"][chunk_of_token], positions, bs),
+            decode_state_slots=dev["decode_state_slots"],
+            decode_block_tables=tables.gather(dev["chunk_rows"][:nd], max_blocks),
+            decode_seq_lens=dev["decode_seq_lens"],
+            prefill_cu_seqlens=dev["prefill_cu_seqlens"],
+            prefill_state_slots=dev["prefill_state_slots"],
+            prefill_has_initial_state=dev["prefill_has_initial_state"].bool(),
+            prefill_sequences=tuple(prefill_sequences),
+            prefill_cu_seqlens_cpu=torch.tensor(host["prefill_cu_seqlens"], dtype=torch.long),
+        )
+        return PreparedStep(input_ids, ctx, dev["sample_rows"], dev["sample_table_rows"], sample_chunks)
+
+    def _host_arrays(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
+                     rows: list[int]) -> tuple[dict[str, list[int]], list[ScheduledChunk]]:
+        """The step's integers, for one transfer: token ids [T] (placeholders left in), per chunk its
+        length, table row and position offset [C], per-sequence metadata, where the placeholders and
+        sampled rows are, and the block ids new to the tables. Also the chunks that sample, in order."""
+        host: dict[str, list[int]] = {name: [] for name in (
+            "input_ids", "chunk_lens", "position_offsets", "sample_rows", "sample_table_rows",
+            "placeholder_at", "placeholder_rows")}
+        host["chunk_rows"] = rows  # decodes first: its first D entries are the decode rows
+        sample_chunks: list[ScheduledChunk] = []
+        for chunk, row in zip(decodes + prefills, rows, strict=True):
+            start, n = len(host["input_ids"]), chunk.num_tokens
+            host["input_ids"].extend(chunk.token_ids)
+            host["chunk_lens"].append(n)
+            host["position_offsets"].append(chunk.num_computed_tokens - start)  # position - flat index
+            if chunk.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                if chunk.request_id not in self._has_sampled:
+                    raise RuntimeError(
+                        f"{chunk.request_id}: its chunk ends with PLACEHOLDER_TOKEN_ID, the token sampled in "
+                        "its previous step, but this worker has sampled no token for it since it was last "
+                        "(re)admitted; the scheduler may send a placeholder only after a step that sampled "
+                        "for the request"
+                    )
+                host["placeholder_at"].append(start + n - 1)
+                host["placeholder_rows"].append(row)
+            if chunk.sample:
+                host["sample_rows"].append(start + n - 1)
+                host["sample_table_rows"].append(row)
+                sample_chunks.append(chunk)
+        cu = [0]
+        for chunk in prefills:
+            cu.append(cu[-1] + chunk.num_tokens)
+        host["new_block_index"], host["new_block_ids"] = self.block_tables.pending()
+        host["decode_state_slots"] = [c.state_slot for c in decodes]
+        host["decode_seq_lens"] = [c.num_computed_tokens + 1 for c in decodes]
+        host["prefill_cu_seqlens"] = cu
+        host["prefill_state_slots"] = [c.state_slot for c in prefills]
+        host["prefill_has_initial_state"] = [int(c.num_computed_tokens > 0) for c in prefills]
+        return host, sample_chunks
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput,
+                non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Run one step. With non_block, return an AsyncModelRunnerOutput once the step is queued: on a
+        GPU its sampled ids come to the host by a non-blocking copy that `get_output()` waits for, and
+        the runner itself never waits for the device (the state store's saves and loads do, and so may
+        model kernels: fla's chunked KDA prefill); on the CPU it is ready."""
         for new in scheduler_output.new_requests:
             self.sampling_params[new.request_id] = new.sampling_params
         for request_id in scheduler_output.finished_request_ids:
             self.sampling_params.pop(request_id, None)
         # finished requests are gone; preempted ones start a new table in their next life
-        self.block_tables.drop(scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids)
+        dropped = scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids
+        self.block_tables.drop(dropped)
+        self._has_sampled.difference_update(dropped)
         if self.state_store is not None:
             self.state_store.before_forward(scheduler_output)
-        if not scheduler_output.chunks:
-            return ModelRunnerOutput()
+        sampled = self._forward_and_sample(scheduler_output) if scheduler_output.chunks else None
+        if sampled is None:
+            output = ModelRunnerOutput()
+            return AsyncModelRunnerOutput.ready(output) if non_block else output
+        chunks, params, result = sampled
+        tensors = _output_tensors(result)
+        if not (non_block and result.sampled_token_ids.is_cuda):
+            output = _runner_output(chunks, params, *(t.tolist() for t in tensors))  # the step's host sync
+            return AsyncModelRunnerOutput.ready(output) if non_block else output
+        return AsyncModelRunnerOutput(_copy_to_host(chunks, params, tensors))
 
+    def _forward_and_sample(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[ScheduledChunk], list[SamplingParams], SamplerOutput] | None:
+        """Queue the step's forward and sampling; None when no chunk samples."""
         step = self.prepare(scheduler_output)
         ctx = step.context
         graphs = self.decode_graphs
@@ -132,7 +212,7 @@ class ModelRunner:
         if self.state_store is not None:
             self.state_store.after_forward(scheduler_output)
         if not step.sample_chunks:
-            return ModelRunnerOutput()
+            return None
         params = [self.sampling_params[c.request_id] for c in step.sample_chunks]
         seeds = [
             None if p.seed is None else step_seed(p.seed, c.num_output_tokens)
@@ -140,18 +220,53 @@ class ModelRunner:
         ]
         metadata = SamplingMetadata.from_params(params, seeds, logits.device)
         sampled = self.sampler(logits, metadata)
-        logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        if sampled.logprobs is None:
-            token_ids = sampled.sampled_token_ids.tolist()  # the step's one host sync
-        else:  # ids, ranks and logprob ids in one transfer, the values in a second
-            ints = torch.cat([sampled.sampled_token_ids.view(-1, 1), sampled.sampled_token_ranks.view(-1, 1),
-                              sampled.logprob_token_ids], dim=1).tolist()
-            values = sampled.logprobs.tolist()
-            token_ids = [row[0] for row in ints]
-            ranks = [row[1] for row in ints]
-            ids = [row[2:] for row in ints]
-            for row, p in enumerate(params):
-                if p.logprobs is not None:
-                    k = 1 + p.logprobs
-                    logprobs[row] = TokenLogprobs(ids[row][:k], values[row][:k], ranks[row])
-        return ModelRunnerOutput([c.request_id for c in step.sample_chunks], token_ids, logprobs)
+        # the next step's placeholders for these requests read their ids from here, on the device
+        self.last_sampled.index_copy_(0, step.sample_table_rows, sampled.sampled_token_ids)
+        self._has_sampled.update(c.request_id for c in step.sample_chunks)
+        return step.sample_chunks, params, sampled
+
+    def _grow_last_sampled(self) -> None:
+        """Give last_sampled a slot for every block-table row (rows grow as requests arrive)."""
+        have, rows = self.last_sampled.shape[0], self.block_tables.num_rows
+        if rows > have:
+            grown = self.last_sampled.new_zeros(rows)
+            grown[:have] = self.last_sampled
+            self.last_sampled = grown
+
+
+def _output_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:
+    """What the host needs of a step's sampling: the ids [N, 1]; with logprobs, the ids, ranks and
+    logprob ids together [N, 2 + k] (one transfer) and the logprob values [N, 1 + k]."""
+    ids = sampled.sampled_token_ids.view(-1, 1)
+    if sampled.logprobs is None:
+        return [ids]
+    ranks = sampled.sampled_token_ranks.view(-1, 1)
+    return [torch.cat([ids, ranks, sampled.logprob_token_ids], dim=1), sampled.logprobs]
+
+
+def _copy_to_host(chunks: list[ScheduledChunk], params: list[SamplingParams],
+                  tensors: list[torch.Tensor]) -> Callable[[], ModelRunnerOutput]:
+    """Queue non-blocking copies of `tensors` (on a GPU) into pinned host memory; returns what waits
+    for them (an event recorded behind the copies, so not for later steps) and builds the output."""
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def resolve() -> ModelRunnerOutput:
+        copied.synchronize()
+        return _runner_output(chunks, params, *(t.tolist() for t in host))
+
+    return resolve
+
+
+def _runner_output(chunks: list[ScheduledChunk], params: list[SamplingParams], ints: list[list[int]],
+                   values: list[list[float]] | None = None) -> ModelRunnerOutput:
+    """The step's output from the host copies of `_output_tensors` (as lists): per row, ints holds
+    [sampled id] or [sampled id, rank, logprob ids...], values the logprobs."""
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    if values is not None:
+        for row, p in enumerate(params):
+            if p.logprobs is not None:
+                k = 1 + p.logprobs
+                logprobs[row] = TokenLogprobs(ints[row][2 : 2 + k], values[row][:k], ints[row][1])
+    return ModelRunnerOutput([c.request_id for c in chunks], [row[0] for row in ints], logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -24,3 +25,27 @@ class ModelRunnerOutput:
 
     def sampled_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))
+
+
+class AsyncModelRunnerOutput:
+    """A step whose kernels are queued and whose sampled ids are on their way to the host.
+
+    `get_output()` waits for that copy only (not for later steps queued behind it) and returns the
+    step's `ModelRunnerOutput`. On the CPU the output is ready when the step returns.
+    """
+
+    def __init__(self, resolve: Callable[[], ModelRunnerOutput] | None) -> None:
+        self._resolve = resolve
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
+        handle = cls(None)
+        handle._output = output
+        return handle
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._resolve()
+            self._resolve = None
+        return self._output

@@ -31,17 +31,24 @@ class StateCheckpointStore:
         image = torch.cat(self._slot_bytes(slot))
         padded = image.new_zeros(len(unit_ids) * self.unit_bytes)
         padded[: image.numel()] = image
-        index = torch.tensor(unit_ids, dtype=torch.long, device=self.units.device)
+        index = self._index(unit_ids)
         self.units.index_copy_(0, index, padded.view(len(unit_ids), self.unit_bytes))
 
     def load(self, unit_ids: list[int], slot: int) -> None:
         """Overwrite state slot `slot` with the image held in units `unit_ids`."""
-        index = torch.tensor(unit_ids, dtype=torch.long, device=self.units.device)
+        index = self._index(unit_ids)
         image = self.units.index_select(0, index).reshape(-1)
         offset = 0
         for piece in self._slot_bytes(slot):
             piece.copy_(image[offset : offset + piece.numel()])
             offset += piece.numel()
+
+    def _index(self, unit_ids: list[int]) -> torch.Tensor:
+        """[len(unit_ids)] long on the units' device, sent without waiting for the device (pinned)."""
+        index = torch.tensor(unit_ids, dtype=torch.long)
+        if self.units.is_cuda:
+            index = index.pin_memory()
+        return index.to(self.units.device, non_blocking=True)
 
     def copy(self, src_slot: int, dst_slot: int) -> None:
         for t in self.state_tensors:

@@ -17,7 +17,7 @@ from deltaserve.model_files.random_model import build_random_model, random_prese
 from deltaserve.ops.moe.grouped import grouped_mm_supported
 from deltaserve.worker.cuda_graph import DecodeGraphs, capture_sizes
 from deltaserve.worker.model_runner import ModelRunner
-from deltaserve.worker.runner_output import ModelRunnerOutput
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from deltaserve.worker.state_store import StateCheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ class Worker:
             self.runner.decode_graphs = graphs
 
     # Steps -----------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Run one step; with non_block, return once it is queued (see ModelRunner.execute)."""
         assert self.runner is not None, "load_model() first"
-        return self.runner.execute(scheduler_output)
+        return self.runner.execute(scheduler_output, non_block)

@@ -159,8 +159,11 @@ def test_table_and_comparison_render_partial_results():
     results = {
         "ceilings": {"copy_bytes": 2**32, "copy_GBps": 4000.0, "matmul_shape": [8192] * 3, "matmul_TFLOPs": 700.0},
         "prefill": {"1x32768": {"tokens_per_s": 3e4, "seconds": 1.1, "mfu": 0.41}, "seconds": 3.0},
-        "decode": {"batch_1": {"batch": 1, "mean_context": 4100, "step_s": 0.004, "tokens_per_s": 250, "mbu": 0.5,
-                               "schedule_s": 1e-4}},
+        "decode": {"batch_1": {"batch": 1, "mean_context": 4100, "step_s": 0.004, "step_s_median": 0.004,
+                               "tokens_per_s": 250, "mbu": 0.5, "schedule_s": 1e-4},
+                   "batch_1_async": {"batch": 1, "async_scheduling": True, "mean_context": 4100, "step_s": 0.003,
+                                     "step_s_median": 0.003, "tokens_per_s": 333, "mbu": 0.6, "schedule_s": 1e-4,
+                                     "profile": {"kernel_us_per_step": 2900.0}}},
         "offline": {"error": "OutOfMemoryError: CUDA out of memory"},
         "compare_deltaserve": {"decode_s_per_token": 0.005, "prefill_s": 0.5, "prefill_tokens": 8192,
                                "greedy_tokens": [1, 2, 3]},
@@ -171,5 +174,6 @@ def test_table_and_comparison_render_partial_results():
     assert results["comparison"]["decode_speedup"] == pytest.approx(10)
     assert results["comparison"]["greedy_prefix_match"] == 2 and results["comparison"]["weights_identical"]
     text = hb.table(results)
-    for fragment in ("MFU 41.0%", "MBU 50.0%", ">= 60% MBU", "10.0x", "FAILED", "OutOfMemoryError"):
+    for fragment in ("MFU 41.0%", "MBU 50.0%", ">= 60% MBU", "10.0x", "FAILED", "OutOfMemoryError", "async on",
+                     "median 3.00 ms/step", "kernels 2.90 ms"):
         assert fragment in text

@@ -8,6 +8,7 @@ from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.kv_cache_spec import MLALatentSpec
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from deltaserve.core.state_pool import StateSlotPool
 
 EOS = 99
@@ -26,7 +27,7 @@ def make_request(request_id, num_prompt, max_tokens=4, **kw):
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
     sampled = {c.request_id: token for c in out.chunks if c.sample}
-    return out, scheduler.update_from_output(out, sampled)
+    return out, scheduler.update_from_output(out, sampled).finished
 
 
 def assert_all_free(scheduler):
@@ -115,11 +116,11 @@ def test_stop_conditions():
     s.add_request(make_request("ignore", 2, max_tokens=2, ignore_eos=True))
     s.add_request(make_request("min", 2, max_tokens=10, min_tokens=2))
     out = s.schedule()
-    finished = s.update_from_output(out, {"eos": EOS, "stop-id": 5, "ignore": EOS, "min": EOS})
+    finished = s.update_from_output(out, {"eos": EOS, "stop-id": 5, "ignore": EOS, "min": EOS}).finished
     got = {r.request_id: (r.status, r.stop_reason) for r in finished}
     assert got == {"eos": (RequestStatus.FINISHED_STOPPED, None), "stop-id": (RequestStatus.FINISHED_STOPPED, 5)}
     out = s.schedule()
-    finished = s.update_from_output(out, {"ignore": EOS, "min": EOS})
+    finished = s.update_from_output(out, {"ignore": EOS, "min": EOS}).finished
     assert {r.request_id: r.finish_reason for r in finished} == {"ignore": "length", "min": "stop"}
 
 
@@ -138,7 +139,8 @@ def test_abort_running_and_waiting_frees_everything():
     s.add_request(make_request("b", 9))
     out = s.schedule()
     s.finish_requests(["a", "b", "missing"], RequestStatus.FINISHED_ABORTED)
-    assert s.update_from_output(out, {"a": 3}) == []
+    update = s.update_from_output(out, {"a": 3})
+    assert update.finished == [] and update.applied == set()  # aborted while in flight: nothing applied
     assert not s.has_unfinished_requests()
     assert_all_free(s)
     assert s.schedule().finished_request_ids == ["a"]  # b was never announced to the workers
@@ -167,3 +169,35 @@ def test_a_preempted_request_waits_for_room_to_spare_before_it_is_readmitted():
         s.check_invariants()
     assert s.num_preemptions_total == 3
     assert_all_free(s)
+
+
+def test_decodes_run_ahead_on_placeholders_within_the_length_limit():
+    s = make_scheduler(budget=100)
+    s.add_request(make_request("a", 5, max_tokens=3))
+    first = s.schedule()  # the prompt, sampling token 1
+    second = s.schedule()  # decodes on token 1 before it is known
+    (c,) = second.chunks
+    assert (c.token_ids, c.num_computed_tokens, c.num_output_tokens, c.sample) == ([PLACEHOLDER_TOKEN_ID], 5, 1, True)
+    assert s.get_request("a").num_pending_outputs == 2
+    s.check_invariants()
+    s.update_from_output(first, {"a": 7})
+    third = s.schedule()  # token 3 is the last max_tokens allows: no step runs ahead of it
+    assert third.chunks[0].token_ids == [PLACEHOLDER_TOKEN_ID] and third.chunks[0].num_output_tokens == 2
+    fourth = s.schedule()
+    assert not fourth.chunks
+    s.update_from_output(second, {"a": 8})
+    finished = s.update_from_output(third, {"a": 9}).finished
+    assert [r.output_token_ids for r in finished] == [[7, 8, 9]]
+    s.update_from_output(fourth, {})
+    s.check_invariants()
+    assert_all_free(s)
+
+
+def test_a_late_sample_of_an_earlier_life_is_not_applied():
+    s = make_scheduler(budget=100)
+    s.add_request(make_request("a", 5, max_tokens=8))
+    first = s.schedule()
+    s._preempt(s.get_request("a"))  # as a later schedule() does when blocks run out
+    update = s.update_from_output(first, {"a": 7})
+    assert update.applied == set() and s.get_request("a").output_token_ids == []
+    s.check_invariants()

@@ -8,8 +8,10 @@ tokens back out of its blocks and checks that its state slot holds exactly their
 prefix hit, a checkpoint loaded before it was saved, or a block overwritten while still findable
 fails at once. The sampled token is a function of that state, so outputs depend only on what the
 caches held. Steps run (and are reported) in the order they were scheduled, up to `depth` of them
-later. Every workload runs with prefix caching off and one step in flight as the reference; every
-configuration must give the same outputs, and `check_invariants()` must hold after every step.
+later; decodes scheduled on a token still in flight carry a placeholder, which the fake worker
+fills in from what it sampled, as the real one does. Every workload runs with prefix caching off
+and one step in flight as the reference; every configuration must give the same outputs, and
+`check_invariants()` must hold after every step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from deltaserve.core.kv_cache_spec import MLALatentSpec
 from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
-from deltaserve.core.scheduler_output import SchedulerOutput
+from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.worker.block_tables import BlockTables
 
@@ -48,9 +50,12 @@ class FakeWorker:
         self.slots: list[int | None] = [None] * num_slots
         self.units: list[int | None] = [None] * max(num_units, 1)
         self.tables = BlockTables(rows=2, width=2)  # the real worker's incremental tables, grown from tiny
+        self.last_sampled: dict[str, int] = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         self.tables.drop(out.finished_request_ids + out.preempted_request_ids)
+        for request_id in out.finished_request_ids + out.preempted_request_ids:
+            self.last_sampled.pop(request_id, None)
         for save in out.state_saves_before:
             self._save(save.state_slot, save.unit_ids)
         for load in out.state_loads:
@@ -66,13 +71,17 @@ class FakeWorker:
             before = [self._read(table, p) for p in range(start)]
             state = 0 if start == 0 else self.slots[chunk.state_slot]
             assert state == roll(0, before), f"{chunk.request_id}: the state does not match its KV at {start}"
-            for i, token in enumerate(chunk.token_ids):
+            tokens = list(chunk.token_ids)
+            if PLACEHOLDER_TOKEN_ID in tokens:
+                assert tokens == [PLACEHOLDER_TOKEN_ID] and start > 0, f"{chunk.request_id}: placeholder {tokens}"
+                tokens = [self.last_sampled[chunk.request_id]]
+            for i, token in enumerate(tokens):
                 block, offset = divmod(start + i, BS)
                 self.blocks[table[block]][offset] = token
-            state = roll(state, chunk.token_ids)
+            state = roll(state, tokens)
             self.slots[chunk.state_slot] = state
             if chunk.sample:
-                sampled[chunk.request_id] = state % VOCAB
+                sampled[chunk.request_id] = self.last_sampled[chunk.request_id] = state % VOCAB
         for save in out.state_saves_after:
             self._save(save.state_slot, save.unit_ids)
         for copy in out.state_copies_after:
