@@ -72,7 +72,6 @@ def build_byte_tokenizer(
     the others take the lowest free ids from 256. Encoding adds no special tokens.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     if vocab_size < NUM_BYTES + len(SPECIAL_TOKENS):
         raise ValueError(
@@ -89,6 +88,14 @@ def build_byte_tokenizer(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return as_fast_tokenizer(tok, model_max_length)
+
+
+def as_fast_tokenizer(tok: Any, model_max_length: int | None = None) -> Any:
+    """Wrap a `tokenizers.Tokenizer` holding SPECIAL_TOKENS as a `PreTrainedTokenizerFast` with
+    deltaserve's special tokens and chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     kwargs: dict[str, Any] = {} if model_max_length is None else {"model_max_length": model_max_length}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
