@@ -93,6 +93,17 @@ class EngineConfig:
         if self.state_checkpoint_unit_bytes is not None and self.state_checkpoint_unit_bytes < 1:
             raise ValueError(f"state_checkpoint_unit_bytes={self.state_checkpoint_unit_bytes} must be positive")
         self.cache_memory = parse_bytes(self.cache_memory)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+            if value > 1:
+                # the model and deltaserve.distributed run multi-rank (tests/distributed), but the engine
+                # has one in-process worker: there is no multi-process executor to drive the ranks yet
+                raise ValueError(
+                    f"{name}={value} is not supported yet: the engine has no multi-process executor, so "
+                    f"it runs one rank; set {name}=1"
+                )
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size
         )

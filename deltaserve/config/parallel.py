@@ -1,4 +1,5 @@
-"""How the model is split over ranks. Everything is 1 today; layers and the model already ask."""
+"""How the model is split over ranks: tensor-parallel (heads, intermediate sizes) inside a pipeline
+stage, pipeline-parallel (contiguous layer ranges) across stages."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from dataclasses import dataclass
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
-    """`numerator / denominator`, refusing a split that does not come out even."""
+    """`numerator / denominator` (a size split over `denominator` tensor-parallel ranks), refusing a
+    split that does not come out even."""
     if numerator % denominator:
-        raise ValueError(f"{what}={numerator} is not divisible by the parallel size {denominator}")
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}; "
+                         "choose a tensor_parallel_size that divides it")
     return numerator // denominator
 
 
@@ -25,15 +28,14 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size must be 1: "
-                "multi-rank execution is not implemented yet"
-            )
         if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} out of range")
         if not 0 <= self.pipeline_parallel_rank < self.pipeline_parallel_size:
             raise ValueError(f"pipeline_parallel_rank={self.pipeline_parallel_rank} out of range")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def is_first_stage(self) -> bool:

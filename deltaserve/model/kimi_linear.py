@@ -3,18 +3,30 @@
 The stage owns a contiguous range of decoder layers; the first stage also owns the embedding and
 the last the final norm and lm_head. Token rows are flattened over the step's sequences; per-step
 metadata comes from the forward context.
+
+Pipeline stages pass the residual stream on as `IntermediateTensors` (hidden and residual, kept apart
+so that the next stage's first norm fuses the add); the caller moves them between ranks
+(`deltaserve.distributed.send_tensors` / `recv_tensors`).
+
+Tensor parallelism splits heads and intermediate sizes inside the layers, which all-reduce once per
+attention block and once per MLP/MoE block. The embedding and lm_head are replicated on every TP rank:
+simple, and `compute_logits` gives full-vocabulary logits on every TP rank with no communication, at
+the cost of vocab_size x hidden_size parameters per rank for each (about 2 x 163840 x 2304 x 2 bytes,
+1.5 GB, in bfloat16 for Kimi-Linear-48B) where vocab-parallel would hold 1/tp of them.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from deltaserve.config.model_config import DENSE_MLP, LINEAR_ATTENTION, KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig
+from deltaserve.distributed import get_distributed_state, is_initialized
 from deltaserve.model.layers.kda import KimiDeltaAttention
 from deltaserve.model.layers.linear import copy_shard, replicated_loader
 from deltaserve.model.layers.mla import MultiheadLatentAttention
@@ -76,9 +88,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+@dataclass
+class IntermediateTensors:
+    """The residual stream between pipeline stages, [T, hidden_size] each: the stream is hidden + residual."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {"hidden": self.hidden, "residual": self.residual}
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor]) -> IntermediateTensors:
+        return cls(tensors["hidden"], tensors["residual"])
+
+
 class KimiLinearForCausalLM(nn.Module):
-    """The layers of one pipeline stage; `forward` maps token ids (or the previous stage's hidden
-    states) to hidden states, `compute_logits` maps selected rows to vocabulary logits."""
+    """The layers of one pipeline stage; `forward` maps token ids (or the previous stage's stream) to
+    final hidden states (or this stage's stream), `compute_logits` maps selected rows to vocabulary logits.
+
+    With more than one rank, `deltaserve.distributed.init_distributed` must have run in this process
+    with the same grid before the first forward (the layers' all-reduces need the groups); building
+    and loading a shard need no groups.
+    """
 
     def __init__(self, config: KimiLinearConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -94,28 +126,51 @@ class KimiLinearForCausalLM(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.requires_grad_(False)
+        self._check_groups = parallel.world_size > 1  # until the first forward has found them
+
+    def _require_groups(self) -> None:
+        parallel = self.parallel
+        if not is_initialized() or get_distributed_state().parallel != parallel:
+            raise RuntimeError(
+                f"a model for tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size} (tensor_parallel_rank={parallel.tensor_parallel_rank}, "
+                f"pipeline_parallel_rank={parallel.pipeline_parallel_rank}) needs "
+                "deltaserve.distributed.init_distributed(...) with the same sizes and rank before it runs"
+            )
+        self._check_groups = False
 
     # Forward ---------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: [T] (first stage) or hidden: [T, hidden_size] (later stages) -> [T, hidden_size].
+    def forward(
+        self, input_ids: torch.Tensor | None = None, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids: [T] (first stage) or the previous stage's stream (later stages) -> the last
+        stage's final-normed hidden states [T, hidden_size], or this stage's stream for the next.
 
-        The last stage returns the final-normed hidden states. Positions are not needed: the model
-        has no positional encoding (NoPE); the order of tokens lives in the caches.
+        At one stage this is `model(input_ids) -> [T, hidden_size]`. Positions are not needed: the
+        model has no positional encoding (NoPE); the order of tokens lives in the caches.
         """
+        if self._check_groups:
+            self._require_groups()
+        residual: torch.Tensor | None
         if self.embed_tokens is not None:
-            hidden = self.embed_tokens(input_ids)
-        assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
-        residual = None
+            if input_ids is None:
+                raise ValueError("the first pipeline stage needs input_ids")
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError("a later pipeline stage needs the previous stage's IntermediateTensors")
+            hidden, residual = intermediate.hidden, intermediate.residual
         for layer in self.layers.values():
             hidden, residual = layer(hidden, residual)
-        if residual is None:  # a stage without layers
-            return self.norm(hidden) if self.parallel.is_last_stage else hidden
-        if self.parallel.is_last_stage:
-            return self.norm(hidden, residual)[0]
-        return hidden + residual
+        if not self.parallel.is_last_stage:
+            return IntermediateTensors(hidden, torch.zeros_like(hidden) if residual is None else residual)
+        if residual is None:  # one stage without layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        """hidden: [N, hidden_size] -> float32 logits [N, vocab_size] (last stage; full vocabulary on
+        every TP rank, the lm_head being replicated)."""
         return self.lm_head(hidden).float()
 
     # Caches ----------------------------------------------------------------------------------
@@ -158,7 +213,11 @@ class KimiLinearForCausalLM(nn.Module):
     def _route(self, name: str) -> tuple[str, int | None, int | None] | None:
         """Checkpoint name -> (parameter name, fused piece, expert index), or None for another stage."""
         if name == "model.embed_tokens.weight":
-            return ("embed_tokens.weight", None, None) if self.parallel.is_first_stage else None
+            if self.parallel.is_first_stage:
+                return "embed_tokens.weight", None, None
+            # tied weights on a last stage that does not hold the embedding: its lm_head is a copy
+            tied_here = self.config.tie_word_embeddings and self.parallel.is_last_stage
+            return ("lm_head.weight", None, None) if tied_here else None
         if name in ("model.norm.weight", "lm_head.weight"):
             local = name.removeprefix("model.")
             return (local, None, None) if self.parallel.is_last_stage else None

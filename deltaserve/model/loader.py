@@ -39,7 +39,8 @@ def expected_tensor_names(config: KimiLinearConfig, parallel: ParallelConfig) ->
             if not start <= layer < end:
                 continue
         elif name == "model.embed_tokens.weight" and not parallel.is_first_stage:
-            continue
+            if not (config.tie_word_embeddings and parallel.is_last_stage):  # a tied lm_head copies it
+                continue
         elif name in ("model.norm.weight", "lm_head.weight") and not parallel.is_last_stage:
             continue
         names.add(_canonical(name))
@@ -62,6 +63,7 @@ def load_model(
         model = KimiLinearForCausalLM(config, parallel, dtype)
     loaded = {_canonical(n) for n in model.load_weights(weights)}
     if config.tie_word_embeddings and parallel.is_last_stage:
+        # a last stage without the embedding loaded lm_head from model.embed_tokens.weight instead
         if parallel.is_first_stage:
             model.lm_head.weight = model.embed_tokens.weight
             loaded.add("lm_head.weight")

@@ -8,6 +8,7 @@ import torch
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
+from deltaserve.config.parallel import ParallelConfig
 from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
@@ -37,11 +38,14 @@ def resolve_device(device: str | None) -> torch.device:
 class Worker:
     """Loads the model, sizes and allocates the caches, executes steps."""
 
-    def __init__(self, engine_config: EngineConfig, model_config: KimiLinearConfig, model_dir: str) -> None:
+    def __init__(self, engine_config: EngineConfig, model_config: KimiLinearConfig, model_dir: str,
+                 parallel: ParallelConfig | None = None) -> None:
+        """`parallel`: this rank's place in the TP x PP grid, for a worker run under
+        deltaserve.distributed (EngineConfig itself still refuses sizes > 1); None: the engine's."""
         self.engine_config = engine_config
         self.model_config = model_config
         self.model_dir = model_dir
-        self.parallel = engine_config.parallel
+        self.parallel = engine_config.parallel if parallel is None else parallel
         self.device = resolve_device(engine_config.device)
         self.dtype = resolve_dtype(engine_config.dtype, model_config)
         self.model: KimiLinearForCausalLM | None = None

@@ -2,7 +2,10 @@
 
 Per request it keeps a fixed-size state in the KDA state pool: the last `W - 1` inputs of the
 convolution over q, k and v, and the float32 recurrent state [heads, K, V]. Heads are split over
-tensor-parallel ranks; the state pool tensors hold this rank's heads only.
+tensor-parallel ranks (q/k/v, f_b, g_b and b column-split, f_a and g_a replicated, conv weights,
+A_log and dt_bias by head, o_proj row-split); the state pool tensors hold this rank's heads only.
+The output gate's RMSNorm is per head, so it needs no communication; o_proj's partial sums are
+all-reduced over the TP group once per layer.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from torch import nn
 
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
+from deltaserve.distributed import tp_all_reduce
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear, sharded_param
 from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
@@ -59,7 +63,7 @@ class KimiDeltaAttention(nn.Module):
         return self.f_b_proj(self.f_a_proj(x)).view(-1, self.num_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (partial sums when tensor-parallel)."""
+        """x: [T, hidden] -> [T, hidden], summed over the TP group (every TP rank runs it)."""
         ctx = get_forward_context()
         num_decodes = ctx.num_decodes
         mixed = self.qkv_proj(x)
@@ -104,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
         out = _join(kda_parts).to(x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.num_heads, self.head_dim)
         normed = gated_rms_norm(out, gate, self.o_norm_weight, self.eps)
-        return self.o_proj(normed.reshape(-1, self.local_dim))
+        return tp_all_reduce(self.o_proj(normed.reshape(-1, self.local_dim)))
 
 
 def _join(parts: list[torch.Tensor]) -> torch.Tensor:

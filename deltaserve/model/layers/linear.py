@@ -80,8 +80,10 @@ def sharded_param(
 class Linear(nn.Module):
     """y = x W^T (+ b) where W is this rank's shard.
 
-    split: "column" splits the output features over ranks, "row" the input features (the caller
-    all-reduces the partial sums), None keeps the whole matrix on every rank.
+    split: "column" splits the output features over ranks, "row" the input features (its output is
+    this rank's partial sum: the block that owns it all-reduces once, after everything it sums, see
+    KimiDeltaAttention, MultiheadLatentAttention, DenseMLP and SparseMoE), None keeps the whole matrix
+    on every rank.
     output_sizes: for a column-split layer fused from several checkpoint matrices, their output sizes.
     """
 

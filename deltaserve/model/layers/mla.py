@@ -13,6 +13,7 @@ from torch import nn
 
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
+from deltaserve.distributed import tp_all_reduce
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear
 from deltaserve.model.layers.norm import RMSNorm
@@ -65,7 +66,7 @@ class MultiheadLatentAttention(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (partial sums when tensor-parallel)."""
+        """x: [T, hidden] -> [T, hidden], summed over the TP group (every TP rank runs it)."""
         ctx = get_forward_context()
         q = self._queries(x)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -90,4 +91,4 @@ class MultiheadLatentAttention(nn.Module):
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
             out[rows] = attention_prefill(q[rows], k, v, self.scale, seq.num_context_tokens)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
+        return tp_all_reduce(self.o_proj(out.reshape(-1, self.num_heads * self.v_dim)))
