@@ -16,6 +16,7 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -49,7 +50,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """Everything known about one request after a step; `finished` is True on its last output."""
+    """Everything known about one request after a step; `finished` is True on its last output.
+
+    prompt_logprobs: for a request with SamplingParams.prompt_logprobs, one entry per prompt token:
+        None for the first, then {token_id: Logprob} holding that prompt token (given the tokens
+        before it) and the top-k at its position; set from the first output on.
+    """
 
     request_id: str
     prompt: str | None
@@ -58,11 +64,12 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Any = None
-    prompt_logprobs: SampleLogprobs | None = None  # not computed yet; kept for vLLM compatibility
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __repr__(self) -> str:
         return (
             f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
-            f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, finished={self.finished}, "
+            f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+            f"outputs={self.outputs}, finished={self.finished}, "
             f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics})"
         )

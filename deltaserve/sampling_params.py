@@ -63,6 +63,9 @@ class SamplingParams:
         text is cut before the match (or after it, with include_stop_str_in_output).
     stop_token_ids: tokens that end generation besides EOS; the token stays in token_ids.
     logprobs: return this many top logprobs per generated token, plus the sampled token's (0..20).
+    prompt_logprobs: return, for every prompt token after the first, its logprob given the tokens
+        before it plus this many top logprobs at that position (0..20), in
+        `RequestOutput.prompt_logprobs`. Such a request computes its whole prompt (no prefix-cache hit).
     detokenize: False skips text entirely (text is "", stop strings are not checked).
     """
 
@@ -78,6 +81,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -117,10 +121,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs={self.logprobs!r} must be an int in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={value!r} must be an int in [0, {MAX_LOGPROBS}] or None")
         for i, s in enumerate(self.stop):
             message = stop_string_error(f"stop[{i}]", s)
             if message is not None:

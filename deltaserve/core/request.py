@@ -39,6 +39,10 @@ class Request:
 
     With steps in flight (async scheduling) a step that samples for the request leaves a placeholder
     (`num_pending_outputs`) until its output is applied; the next step may already decode on it.
+
+    A request with `prompt_logprobs` needs the logits at every prompt position, so it reads no
+    prefix-cache hit until steps have been scheduled for all of them (`num_prompt_logprob_rows`,
+    never rewound: a preemption does not compute them twice).
     """
 
     request_id: str
@@ -59,10 +63,18 @@ class Request:
     boundary_num_tokens: int = 0  # position of the state held in the boundary slot (0: none)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_pending_outputs: int = 0  # tokens sampled by steps in flight, not applied yet
+    prompt_logprobs: bool = False  # wants the logprob of every prompt token after the first
+    num_prompt_logprob_rows: int = 0  # prompt positions [0, n) already scheduled to give their next token's
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Whether admission must compute the prompt from the start: some prompt positions still owe
+        the logprob of the token after them (position P - 1 samples instead)."""
+        return self.prompt_logprobs and self.num_prompt_logprob_rows < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,8 @@ rewound (with prefix caching it resumes from its latest checkpoint).
 With prefix caching (`prefix_cache` given) a request starts from the joint KV + state hit, chunks
 end on checkpoint boundaries so the state there can be saved right after the chunk, and each
 running request holds a second "boundary" slot with its state at the last block boundary it
-crossed while decoding, filed as the end-of-sequence checkpoint when it finishes.
+crossed while decoding, filed as the end-of-sequence checkpoint when it finishes. A request that
+still owes prompt logprobs reads no hit: its prompt is computed for the logits at every position.
 
 Several steps may be in flight: `schedule()` may be called again before `update_from_output()` of
 the previous step, and outputs are applied in step order. What a step holds until it is reported
@@ -45,6 +46,7 @@ from deltaserve.core.prefix_cache import PrefixCache, PrefixHit
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler_output import (
     NewRequestData,
+    PromptLogprobTargets,
     ScheduledChunk,
     SchedulerOutput,
     StateCopy,
@@ -255,7 +257,10 @@ class Scheduler:
             request = self.waiting[0]
             if self.state_pool.num_free < self.slots_per_request:
                 break
-            hit = self.prefix_cache.lookup(request) if self.prefix_cache is not None else NO_HIT
+            # a request that owes prompt logprobs computes its prompt (as vLLM's skip_reading_prefix_cache);
+            # what it computes is still committed for others
+            reads_cache = self.prefix_cache is not None and not request.skip_reading_prefix_cache
+            hit = self.prefix_cache.lookup(request) if reads_cache else NO_HIT
             num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
             reserve = self._readmission_reserve(request)
             if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new + reserve,
@@ -267,7 +272,7 @@ class Scheduler:
                 self.state_pool.allocate(boundary_key(request.request_id))
             table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
             assert slot is not None and table is not None
-            if self.prefix_cache is not None:
+            if reads_cache:
                 self.prefix_cache.account(request, hit)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
@@ -344,6 +349,7 @@ class Scheduler:
                 state_slot=slot,
                 sample=end == request.num_tokens_with_pending,
                 num_output_tokens=request.num_output_tokens + request.num_pending_outputs,
+                prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
             )
         )
         if end == request.num_tokens_with_pending:
@@ -367,6 +373,19 @@ class Scheduler:
             assert boundary_slot is not None
             out.copies_after.append(StateCopy(slot, boundary_slot))
             record.boundaries[request.request_id] = end
+
+    @staticmethod
+    def _prompt_logprob_targets(request: Request, start: int, end: int) -> PromptLogprobTargets | None:
+        """The prompt tokens chunk [start, end) gives logprobs for: those after the positions it
+        computes that no earlier step (of this life or one before a preemption) was scheduled for."""
+        if not request.prompt_logprobs:
+            return None
+        first = max(start, request.num_prompt_logprob_rows)
+        stop = min(end, request.num_prompt_tokens - 1)  # position P - 1 samples: it has no prompt target
+        if first >= stop:
+            return None
+        request.num_prompt_logprob_rows = stop
+        return PromptLogprobTargets(first - start, request.prompt_token_ids[first + 1 : stop + 1])
 
     def _commit_and_publish(self, record: StepRecord, out: _StepBuilder) -> None:
         """End of schedule(): this step's blocks become findable (committed up to each chunk's own end)

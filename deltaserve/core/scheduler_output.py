@@ -21,6 +21,25 @@ class NewRequestData:
 
 
 @dataclass(frozen=True)
+class PromptLogprobTargets:
+    """The prompt tokens whose logprobs a chunk computes, for a request with prompt_logprobs.
+
+    The logits at chunk rows [start, start + len(token_ids)) give the logprobs of `token_ids`: each
+    is the prompt token after its row, so the last one is the next chunk's first token when the
+    chunk ends inside the prompt. The last prompt token's row samples; it has no target.
+    """
+
+    start: int  # the first row, an index into the chunk's tokens
+    token_ids: list[int]
+
+    @property
+    def first_position(self) -> int:
+        """Offset of the first target from the chunk's first token (its prompt position is
+        num_computed_tokens + first_position)."""
+        return self.start + 1
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens [num_computed_tokens, num_computed_tokens + len(token_ids)) of one request, to compute now.
 
@@ -39,6 +58,7 @@ class ScheduledChunk:
     state_slot: int
     sample: bool  # the chunk reaches the last known token: sample the next one
     num_output_tokens: int  # tokens generated so far, placeholders included (seeds per-request sampling)
+    prompt_logprob_targets: PromptLogprobTargets | None = None  # set only for requests with prompt_logprobs
 
     @property
     def num_tokens(self) -> int:

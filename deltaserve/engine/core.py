@@ -1,10 +1,11 @@
 """The engine core: scheduler, caches and executor, stepping on token ids only.
 
 It never sees text. Requests arrive tokenized and validated (`EngineCoreRequest`); each step returns
-the new token ids and logprobs of every request that sampled (`EngineCoreOutput`), plus plain
-numbers for metrics (`IterationStats`). Detokenization and stop strings live in the output
-processor, in the offline `LLMEngine` or in each API front-end process, so the loop here never waits
-on a tokenizer. Everything that crosses this boundary is a plain dataclass that pickles.
+the new token ids and logprobs of every request that sampled, and the new prompt logprobs of every
+request that computed some (`EngineCoreOutput`), plus plain numbers for metrics (`IterationStats`).
+Detokenization and stop strings live in the output processor, in the offline `LLMEngine` or in each
+API front-end process, so the loop here never waits on a tokenizer. Everything that crosses this
+boundary is a plain dataclass that pickles.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.sampling_params import SamplingParams
-from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, StepPromptLogprobs, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,14 @@ class EngineCoreOutput:
 
     finish_reason: None while running, else "stop" / "length" (set by the core) or "abort".
     stop_reason: the stop token id that ended it, if any.
+    new_prompt_logprobs: the prompt logprobs the step computed (requests with prompt_logprobs); an
+        output with these and no new token comes from a prefill chunk that did not sample.
     """
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: StepPromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -182,6 +186,7 @@ class EngineCore:
             min_tokens=params.min_tokens,
             arrival_index=next(self._arrivals),
             sampling_params=params,
+            prompt_logprobs=params.prompt_logprobs is not None,
         )
         self.scheduler.add_request(request)
         self._timings[req.request_id] = _Timing(req.arrival_time)
@@ -247,6 +252,7 @@ class EngineCore:
                stats: IterationStats) -> list[EngineCoreOutput]:
         update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request())
         finished = {r.request_id: r for r in update.finished}
+        prompt_logprobs = dict(runner_output.prompt_logprobs)
         now = time.time()
         outputs = []
         for request_id, token_id, lp in zip(
@@ -260,7 +266,7 @@ class EngineCore:
                 continue
             self._record_token(stats, request, timing, now)
             out = EngineCoreOutput(
-                request_id, [token_id], [lp] if lp is not None else None,
+                request_id, [token_id], [lp] if lp is not None else None, prompt_logprobs.pop(request_id, None),
                 num_cached_tokens=request.num_cached_tokens or 0,
             )
             if request_id in finished:
@@ -269,6 +275,13 @@ class EngineCore:
                 stats.finished.append(self._finished_stats(request, timing, now))
                 del self._timings[request_id]
             outputs.append(out)
+        for request_id, plp in prompt_logprobs.items():
+            # a chunk that did not sample, or whose sample was dropped: the request preempted since
+            # still keeps these, which were computed right and are never scheduled again
+            request = self.scheduler.get_request(request_id)
+            if request is not None and request_id in self._timings:
+                outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=plp,
+                                                num_cached_tokens=request.num_cached_tokens or 0))
         return outputs
 
     @staticmethod

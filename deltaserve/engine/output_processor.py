@@ -1,8 +1,10 @@
 """Output processing: engine-core outputs (token ids) -> `RequestOutput`s (text, logprobs, finish).
 
 It detokenizes incrementally and checks stop strings. A stop string is found here, not in the core,
-so the request it ends is returned to the caller, which must finish it in the core. Runs in the
-offline `LLMEngine` and in each API front-end process.
+so the request it ends is returned to the caller, which must finish it in the core. Prompt logprobs
+arrive chunk by chunk (prefill steps that sample nothing produce no output) and are complete by the
+first token, so every output of a request that asked carries all of them, as vLLM's cumulative
+outputs do. Runs in the offline `LLMEngine` and in each API front-end process.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Any
 
 from deltaserve.engine.core import EngineCoreOutput
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
-from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
+from deltaserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from deltaserve.sampling_params import SamplingParams
-from deltaserve.worker.runner_output import TokenLogprobs
+from deltaserve.worker.runner_output import StepPromptLogprobs, TokenLogprobs
 
 
 @dataclass
@@ -26,6 +28,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[dict[int, Logprob]] | None
     output_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None  # None for the first token, then one per prompt token so far
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0
 
@@ -53,6 +56,7 @@ class OutputProcessor:
         self._states[request_id] = _RequestState(
             request_id, prompt, list(prompt_token_ids), params, detok,
             [] if params.logprobs is not None else None, [],
+            [None] if params.prompt_logprobs is not None else None,
         )
 
     def abort(self, request_ids: list[str]) -> None:
@@ -69,6 +73,10 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted by the caller while the step ran
             state.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if not out.new_token_ids and out.finish_reason is None:
+                continue  # a prefill chunk's prompt logprobs: kept for the first output
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             state.output_token_ids.extend(out.new_token_ids)
             if state.logprobs is not None and out.new_logprobs:
@@ -87,9 +95,20 @@ class OutputProcessor:
             results.append(self._make_output(state, finished, finish_reason, stop_reason))
         return results, stopped_by_string
 
+    def _add_prompt_logprobs(self, state: _RequestState, new: StepPromptLogprobs) -> None:
+        """Append a step's prompt logprobs; the core sends each prompt position once, in order."""
+        known = state.prompt_logprobs
+        if known is None or new.first_position != len(known):
+            raise RuntimeError(
+                f"{state.request_id}: prompt logprobs from position {new.first_position} arrived, but "
+                f"{'none were asked for' if known is None else f'{len(known)} positions are known'}; the "
+                "engine core must send each prompt position once, in order, and only when asked"
+            )
+        known.extend(self._logprob_dict(lp) for lp in new.entries)
+
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         texts = decode_logprobs(self.tokenizer, lp.token_ids) if self.tokenizer is not None else None
-        entry = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, texts[0] if texts else None)}
+        entry = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.rank, texts[0] if texts else None)}
         for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True), start=1):
             if tid not in entry:
                 entry[tid] = Logprob(value, rank, texts[rank] if texts else None)
@@ -117,4 +136,5 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs,
         )

@@ -122,8 +122,10 @@ class InputProcessor:
         for i, t in enumerate(token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt_token_ids[{i}]={t!r} is outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} exceeds max_logprobs={self.max_logprobs}")
         for t in params.stop_token_ids or ():
             if not 0 <= t < vocab:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})")

@@ -8,6 +8,9 @@ the step's integers cross in one pinned non-blocking copy, block tables are gath
 mirror (block_tables.py), a decode token the scheduler does not know yet (PLACEHOLDER_TOKEN_ID) is
 filled in on the device from the id this runner sampled for the request in its previous step, and
 with `non_block` the sampled ids come back by a non-blocking copy that `get_output()` waits for.
+
+Chunks of requests with prompt_logprobs also get logits at the prompt rows the scheduler named
+(`worker/prompt_logprobs.py`); they come back with the sampled ids, by the same copy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from deltaserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, 
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker.prompt_logprobs import PromptLogprobPlan, prompt_logprob_tensors
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.state_store import StateCheckpointStore
 
@@ -62,6 +66,21 @@ class PreparedStep:
     sample_rows: torch.Tensor  # [N] long: the row whose logits each sampling request needs
     sample_table_rows: torch.Tensor  # [N] long: each sampling request's block-table row
     sample_chunks: list[ScheduledChunk]
+    prompt_plan: PromptLogprobPlan  # the rows whose prompt logprobs are asked for, host side
+    prompt_rows: torch.Tensor  # [R] long: their flat rows
+    prompt_targets: torch.Tensor  # [R] long: the prompt token each row gives the logprob of
+
+
+@dataclass
+class StepResult:
+    """What a step queued on the device for the host: the sampling of the chunks that sample, and the
+    prompt logprobs ([R, 2 + k] ints, [R, 1 + k] values) of the plan's rows."""
+
+    sample_chunks: list[ScheduledChunk]
+    params: list[SamplingParams]
+    sampled: SamplerOutput | None
+    prompt_plan: PromptLogprobPlan
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class ModelRunner:
@@ -93,7 +112,7 @@ class ModelRunner:
         prefills = [c for c in scheduler_output.chunks if not is_decode(c)]
         rows = [tables.apply(c) for c in decodes + prefills]
         self._grow_last_sampled()
-        host, sample_chunks = self._host_arrays(decodes, prefills, rows)
+        host, sample_chunks, prompt_plan = self._host_arrays(decodes, prefills, rows)
         dev = to_device(self.device, host)
 
         tables.write_pending(dev["new_block_index"], dev["new_block_ids"])  # before any gather below
@@ -126,18 +145,21 @@ class ModelRunner:
             prefill_sequences=tuple(prefill_sequences),
             prefill_cu_seqlens_cpu=torch.tensor(host["prefill_cu_seqlens"], dtype=torch.long),
         )
-        return PreparedStep(input_ids, ctx, dev["sample_rows"], dev["sample_table_rows"], sample_chunks)
+        return PreparedStep(input_ids, ctx, dev["sample_rows"], dev["sample_table_rows"], sample_chunks,
+                            prompt_plan, dev["prompt_rows"], dev["prompt_targets"])
 
-    def _host_arrays(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
-                     rows: list[int]) -> tuple[dict[str, list[int]], list[ScheduledChunk]]:
+    def _host_arrays(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], rows: list[int],
+                     ) -> tuple[dict[str, list[int]], list[ScheduledChunk], PromptLogprobPlan]:
         """The step's integers, for one transfer: token ids [T] (placeholders left in), per chunk its
-        length, table row and position offset [C], per-sequence metadata, where the placeholders and
-        sampled rows are, and the block ids new to the tables. Also the chunks that sample, in order."""
+        length, table row and position offset [C], per-sequence metadata, where the placeholders,
+        sampled rows and prompt-logprob rows are, and the block ids new to the tables. Also the chunks
+        that sample, in order, and the prompt-logprob plan."""
         host: dict[str, list[int]] = {name: [] for name in (
             "input_ids", "chunk_lens", "position_offsets", "sample_rows", "sample_table_rows",
             "placeholder_at", "placeholder_rows")}
         host["chunk_rows"] = rows  # decodes first: its first D entries are the decode rows
         sample_chunks: list[ScheduledChunk] = []
+        prompt_plan = PromptLogprobPlan()
         for chunk, row in zip(decodes + prefills, rows, strict=True):
             start, n = len(host["input_ids"]), chunk.num_tokens
             host["input_ids"].extend(chunk.token_ids)
@@ -157,6 +179,10 @@ class ModelRunner:
                 host["sample_rows"].append(start + n - 1)
                 host["sample_table_rows"].append(row)
                 sample_chunks.append(chunk)
+            if chunk.prompt_logprob_targets is not None:
+                k = self.sampling_params[chunk.request_id].prompt_logprobs or 0
+                prompt_plan.add(chunk.request_id, chunk.num_computed_tokens, start, chunk.prompt_logprob_targets, k)
+        host["prompt_rows"], host["prompt_targets"] = prompt_plan.rows, prompt_plan.targets
         cu = [0]
         for chunk in prefills:
             cu.append(cu[-1] + chunk.num_tokens)
@@ -166,7 +192,7 @@ class ModelRunner:
         host["prefill_cu_seqlens"] = cu
         host["prefill_state_slots"] = [c.state_slot for c in prefills]
         host["prefill_has_initial_state"] = [int(c.num_computed_tokens > 0) for c in prefills]
-        return host, sample_chunks
+        return host, sample_chunks, prompt_plan
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
@@ -185,34 +211,38 @@ class ModelRunner:
         self._has_sampled.difference_update(dropped)
         if self.state_store is not None:
             self.state_store.before_forward(scheduler_output)
-        sampled = self._forward_and_sample(scheduler_output) if scheduler_output.chunks else None
-        if sampled is None:
+        result = self._forward_and_sample(scheduler_output) if scheduler_output.chunks else None
+        if result is None:
             output = ModelRunnerOutput()
             return AsyncModelRunnerOutput.ready(output) if non_block else output
-        chunks, params, result = sampled
         tensors = _output_tensors(result)
-        if not (non_block and result.sampled_token_ids.is_cuda):
-            output = _runner_output(chunks, params, *(t.tolist() for t in tensors))  # the step's host sync
+        if not (non_block and self.device.type == "cuda"):
+            output = _runner_output(result, {name: t.tolist() for name, t in tensors.items()})  # the host sync
             return AsyncModelRunnerOutput.ready(output) if non_block else output
-        return AsyncModelRunnerOutput(_copy_to_host(chunks, params, tensors))
+        return AsyncModelRunnerOutput(_copy_to_host(result, tensors))
 
-    def _forward_and_sample(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[list[ScheduledChunk], list[SamplingParams], SamplerOutput] | None:
-        """Queue the step's forward and sampling; None when no chunk samples."""
+    def _forward_and_sample(self, scheduler_output: SchedulerOutput) -> StepResult | None:
+        """Queue the step's forward, sampling and prompt logprobs; None when no chunk samples or
+        computes prompt logprobs."""
         step = self.prepare(scheduler_output)
         ctx = step.context
         graphs = self.decode_graphs
         if graphs is not None and ctx.num_prefills == 0 and graphs.graph_size(ctx.num_decodes) is not None:
-            logits = graphs.run(step.input_ids, ctx)[step.sample_rows]  # every decode samples
+            rows, to_logits = graphs.run(step.input_ids, ctx), torch.Tensor.float  # logits of every decode row
+            logits = rows[step.sample_rows]
         else:
             with set_forward_context(ctx):
-                hidden = self.model(step.input_ids)
-            logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sample_chunks else None
+                rows = self.model(step.input_ids)
+            to_logits = self.model.compute_logits
+            logits = to_logits(rows[step.sample_rows]) if step.sample_chunks else None
+        prompt = None
+        if step.prompt_plan.request_ids:
+            prompt = prompt_logprob_tensors(rows[step.prompt_rows], to_logits, step.prompt_targets,
+                                            step.prompt_plan.max_num_logprobs)
         if self.state_store is not None:
             self.state_store.after_forward(scheduler_output)
         if not step.sample_chunks:
-            return None
+            return StepResult([], [], None, step.prompt_plan, prompt) if prompt is not None else None
         params = [self.sampling_params[c.request_id] for c in step.sample_chunks]
         seeds = [
             None if p.seed is None else step_seed(p.seed, c.num_output_tokens)
@@ -223,7 +253,7 @@ class ModelRunner:
         # the next step's placeholders for these requests read their ids from here, on the device
         self.last_sampled.index_copy_(0, step.sample_table_rows, sampled.sampled_token_ids)
         self._has_sampled.update(c.request_id for c in step.sample_chunks)
-        return step.sample_chunks, params, sampled
+        return StepResult(step.sample_chunks, params, sampled, step.prompt_plan, prompt)
 
     def _grow_last_sampled(self) -> None:
         """Give last_sampled a slot for every block-table row (rows grow as requests arrive)."""
@@ -234,39 +264,53 @@ class ModelRunner:
             self.last_sampled = grown
 
 
-def _output_tensors(sampled: SamplerOutput) -> list[torch.Tensor]:
-    """What the host needs of a step's sampling: the ids [N, 1]; with logprobs, the ids, ranks and
-    logprob ids together [N, 2 + k] (one transfer) and the logprob values [N, 1 + k]."""
-    ids = sampled.sampled_token_ids.view(-1, 1)
-    if sampled.logprobs is None:
-        return [ids]
-    ranks = sampled.sampled_token_ranks.view(-1, 1)
-    return [torch.cat([ids, ranks, sampled.logprob_token_ids], dim=1), sampled.logprobs]
+def _output_tensors(result: StepResult) -> dict[str, torch.Tensor]:
+    """What the host needs of a step: the sampled ids [N, 1]; with logprobs, the ids, ranks and
+    logprob ids together [N, 2 + k] (one transfer) and the logprob values [N, 1 + k]; with prompt
+    logprobs, their ints [R, 2 + k'] and values [R, 1 + k']."""
+    tensors = {}
+    sampled = result.sampled
+    if sampled is not None:
+        ids = sampled.sampled_token_ids.view(-1, 1)
+        if sampled.logprobs is None:
+            tensors["sampled"] = ids
+        else:
+            ranks = sampled.sampled_token_ranks.view(-1, 1)
+            tensors["sampled"] = torch.cat([ids, ranks, sampled.logprob_token_ids], dim=1)
+            tensors["logprobs"] = sampled.logprobs
+    if result.prompt_logprobs is not None:
+        tensors["prompt_ints"], tensors["prompt_values"] = result.prompt_logprobs
+    return tensors
 
 
-def _copy_to_host(chunks: list[ScheduledChunk], params: list[SamplingParams],
-                  tensors: list[torch.Tensor]) -> Callable[[], ModelRunnerOutput]:
+def _copy_to_host(result: StepResult, tensors: dict[str, torch.Tensor]) -> Callable[[], ModelRunnerOutput]:
     """Queue non-blocking copies of `tensors` (on a GPU) into pinned host memory; returns what waits
     for them (an event recorded behind the copies, so not for later steps) and builds the output."""
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for name, t in tensors.items()}
     copied = torch.cuda.Event()
     copied.record()
 
     def resolve() -> ModelRunnerOutput:
         copied.synchronize()
-        return _runner_output(chunks, params, *(t.tolist() for t in host))
+        return _runner_output(result, {name: t.tolist() for name, t in host.items()})
 
     return resolve
 
 
-def _runner_output(chunks: list[ScheduledChunk], params: list[SamplingParams], ints: list[list[int]],
-                   values: list[list[float]] | None = None) -> ModelRunnerOutput:
-    """The step's output from the host copies of `_output_tensors` (as lists): per row, ints holds
-    [sampled id] or [sampled id, rank, logprob ids...], values the logprobs."""
-    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+def _runner_output(result: StepResult, host: dict[str, list]) -> ModelRunnerOutput:
+    """The step's output from the host copies of `_output_tensors` (as lists): per sampled row,
+    "sampled" holds [sampled id] or [sampled id, rank, logprob ids...] and "logprobs" the values."""
+    ints = host.get("sampled", [])
+    values = host.get("logprobs")
+    logprobs: list[TokenLogprobs | None] = [None] * len(result.params)
     if values is not None:
-        for row, p in enumerate(params):
+        for row, p in enumerate(result.params):
             if p.logprobs is not None:
                 k = 1 + p.logprobs
                 logprobs[row] = TokenLogprobs(ints[row][2 : 2 + k], values[row][:k], ints[row][1])
-    return ModelRunnerOutput([c.request_id for c in chunks], [row[0] for row in ints], logprobs)
+    prompt = {}
+    if "prompt_ints" in host:
+        prompt = result.prompt_plan.outputs(host["prompt_ints"], host["prompt_values"])
+    return ModelRunnerOutput([c.request_id for c in result.sample_chunks], [row[0] for row in ints], logprobs,
+                             prompt)

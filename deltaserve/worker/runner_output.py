@@ -8,20 +8,32 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprobs of one sampled token: the sampled id first, then the row's top-k ids."""
+    """Logprobs at one position: the token's id first (the sampled one, or the prompt's), then the
+    row's top-k ids; `rank` is the first id's (1 = most likely)."""
 
     token_ids: list[int]
     logprobs: list[float]
-    sampled_rank: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class StepPromptLogprobs:
+    """One step's prompt logprobs of one request: entry i is the prompt token at position
+    `first_position + i`, given the tokens before it."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """One entry per request that sampled this step (chunks that ended on their last token)."""
+    """One entry per request that sampled this step (chunks that ended on their last token), and the
+    prompt logprobs of the chunks that computed some (requests with prompt_logprobs)."""
 
     request_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, StepPromptLogprobs] = field(default_factory=dict)
 
     def sampled_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))

@@ -256,3 +256,26 @@ def test_abort_mid_prefill_frees_and_files_no_end_anchor():
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert_all_free(s)
     assert s.schedule().state_saves_before == []
+
+
+def test_a_request_with_prompt_logprobs_reads_no_hit_but_files_for_others():
+    """As vLLM's skip_reading_prefix_cache: its prompt is computed for the logits, uncounted in the hit
+    statistics; what it computes and files still serves a later request."""
+    s = make(interval=16)
+
+    def scored(rid):
+        return Request(rid, list(range(1, 38)), 1, eos_token_ids=(-1,), prompt_logprobs=True)
+
+    s.add_request(scored("first"))
+    drain(s)
+    assert s.prefix_cache.stats.queries == 0 and s.prefix_cache.checkpoints.num_checkpoints == 3
+    s.add_request(request("plain", range(1, 38)))
+    out = s.schedule()
+    assert out.chunks[0].num_computed_tokens == 36 and out.state_loads  # from first's prompt-end anchor
+    finish_step(s, out)
+    drain(s)
+    s.add_request(scored("again"))
+    outs = drain(s)
+    assert chunk_spans(outs, "again")[0][0] == 0 and not any(o.state_loads for o in outs)
+    assert s.get_request("again") is None and s.prefix_cache.stats.queries == 1
+    assert_all_free(s)

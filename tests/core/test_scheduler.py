@@ -201,3 +201,40 @@ def test_a_late_sample_of_an_earlier_life_is_not_applied():
     update = s.update_from_output(first, {"a": 7})
     assert update.applied == set() and s.get_request("a").output_token_ids == []
     s.check_invariants()
+
+
+def prompt_targets(outs, request_id):
+    """(num_computed_tokens, start, target ids) of each chunk of `request_id` that has targets."""
+    return [(c.num_computed_tokens, c.prompt_logprob_targets.start, c.prompt_logprob_targets.token_ids)
+            for o in outs for c in o.chunks if c.request_id == request_id and c.prompt_logprob_targets is not None]
+
+
+def test_prompt_logprob_targets_follow_the_chunks():
+    """Each chunk names the prompt tokens after its rows; a chunk ending inside the prompt names the
+    next chunk's first token; the last prompt row samples instead; decodes name none."""
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 19, max_tokens=3, prompt_logprobs=True))  # prompt tokens 1..19
+    s.add_request(make_request("plain", 5, max_tokens=2))
+    outs = [run_step(s)[0] for _ in range(6)]
+    assert prompt_targets(outs, "a") == [(0, 0, list(range(2, 10))), (8, 0, list(range(10, 18))), (16, 0, [18, 19])]
+    assert prompt_targets(outs, "plain") == []
+    assert not s.has_unfinished_requests()
+    s.add_request(make_request("one", 1, max_tokens=1, prompt_logprobs=True))  # nothing before its only token
+    assert prompt_targets([run_step(s)[0]], "one") == []
+
+
+def test_prompt_logprob_targets_are_scheduled_once_across_a_preemption():
+    # 3 blocks of 4: b is preempted after its first chunk; recomputed from 0, it names only what is left
+    s = make_scheduler(num_blocks=3, budget=6)
+    s.add_request(make_request("a", 4, max_tokens=6))
+    s.add_request(make_request("b", 10, max_tokens=2, prompt_logprobs=True))
+    outs = []
+    while s.has_unfinished_requests():
+        outs.append(run_step(s)[0])
+        s.check_invariants()
+    assert any("b" in o.preempted_request_ids for o in outs)
+    targets = prompt_targets(outs, "b")
+    assert targets[0] == (0, 0, [2, 3])
+    assert targets[1][:2] == (0, 2)  # the second life starts at 0 but owes only the rows from 2 on
+    assert [t for _, _, ids in targets for t in ids] == list(range(2, 11))  # each prompt token once, in order
+    assert_all_free(s)

@@ -60,7 +60,8 @@ COMPLETION_CASES = [
     ({"best_of": 3}, "best_of"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ]
 
 

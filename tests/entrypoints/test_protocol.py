@@ -151,6 +151,8 @@ def test_unknown_nested_field_rejected():
         ("top_p", 1.5),
         ("logprobs", 99),
         ("logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -1),
         ("top_k", -5),
         ("seed", 2**70),
         ("seed", -(2**70)),
@@ -177,7 +179,7 @@ def test_chat_out_of_range_values_name_the_field(field, value):
 
 def test_message_quotes_the_value():
     message, _ = _completion_error(max_tokens=-5)
-    assert message == "max_tokens: Input should be greater than or equal to 1 (got -5)"
+    assert message == "max_tokens: Input should be greater than or equal to 0 (got -5)"
 
 
 def test_stop_and_stop_token_ids():
@@ -393,6 +395,33 @@ def test_logprobs_above_server_limit_raise_naming_the_field():
     r = ChatCompletionRequest.model_validate({"messages": USER, "logprobs": True, "top_logprobs": 5})
     with pytest.raises(ValueError, match=r"^top_logprobs=5 "):
         r.to_sampling_params(16, max_logprobs=2)
+    with pytest.raises(ValueError, match=r"^prompt_logprobs=5 .*at most 2"):
+        CompletionRequest.model_validate({"prompt": "x", "prompt_logprobs": 5}).to_sampling_params(16, max_logprobs=2)
+
+
+@pytest.mark.parametrize(
+    "body, prompt_logprobs",
+    [({}, None), ({"echo": True}, None), ({"logprobs": 3}, None), ({"echo": True, "logprobs": 3}, 3),
+     ({"echo": True, "logprobs": 3, "prompt_logprobs": 1}, 1), ({"prompt_logprobs": 0}, 0)],
+)
+def test_echo_with_logprobs_asks_for_prompt_logprobs(body, prompt_logprobs):
+    """As vLLM: echo with logprobs needs the prompt's logprobs, `logprobs` of them by default."""
+    p = CompletionRequest.model_validate({"prompt": "x", **body}).to_sampling_params(16, max_logprobs=20)
+    assert p.prompt_logprobs == prompt_logprobs
+
+
+def test_max_tokens_zero_only_with_echo():
+    r = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.echo_only and r.requested_max_tokens == 0
+    assert not CompletionRequest.model_validate({"prompt": "x", "echo": True}).echo_only
+    message, param = _completion_error(max_tokens=0)
+    assert param == "max_tokens" and message.startswith("max_tokens: ") and "echo" in message
+
+
+def test_prompt_logprobs_not_streamed():
+    message, param = _completion_error(prompt_logprobs=2, stream=True)
+    assert param == "prompt_logprobs" and message.startswith("prompt_logprobs: ") and "stream" in message
+    CompletionRequest.model_validate({"prompt": "x", "prompt_logprobs": 0, "stream": True})  # as vLLM: 0 is fine
 
 
 # ---------------------------------------------------------------- format_validation_errors

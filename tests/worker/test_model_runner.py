@@ -13,12 +13,18 @@ import torch
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.core.cache_sizing import CachePlan
-from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledChunk, SchedulerOutput
+from deltaserve.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    NewRequestData,
+    PromptLogprobTargets,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from deltaserve.model_files.presets import preset_config
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.model_runner import is_decode
-from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.worker import Worker
 
 BLOCK_SIZE = 16
@@ -208,5 +214,68 @@ def test_cuda_decode_queues_without_host_sync_and_placeholders_match(enforce_eag
         for g, w in zip(got.logprobs, want.logprobs, strict=True):
             assert (g is None) == (w is None)
             if g is not None:
-                assert g.token_ids == w.token_ids and g.sampled_rank == w.sampled_rank
+                assert g.token_ids == w.token_ids and g.rank == w.rank
                 assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+
+
+def prompt_logprob_steps(spans: list[tuple[int, int]], non_block: bool = False,
+                         worker: Worker | None = None) -> dict[int, TokenLogprobs]:
+    """Prompt c computed in chunks [start, end) on a fresh worker (by default a CPU one), every chunk
+    asking for the logprobs of the prompt tokens after its rows: {prompt position: its TokenLogprobs}."""
+    worker, p = worker or make_worker(), prompts()["c"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    got: dict[int, TokenLogprobs] = {}
+    for step_id, (start, end) in enumerate(spans):
+        targets = PromptLogprobTargets(0, p[start + 1 : min(end, len(p) - 1) + 1])
+        chunk = ScheduledChunk("c", p[start:end], start, [1, 12, 5] if start == 0 else [], start == 0, 2,
+                               end == len(p), 0, targets)
+        new = [NewRequestData("c", p, params)] if start == 0 else []
+        out = worker.execute_model(SchedulerOutput(step_id, [chunk], new), non_block)
+        out = out.get_output() if non_block else out
+        assert out.request_ids == (["c"] if end == len(p) else [])  # only the last chunk samples
+        step = out.prompt_logprobs["c"]
+        assert step.first_position == start + 1 and len(step.entries) == len(targets.token_ids)
+        got.update((step.first_position + i, e) for i, e in enumerate(step.entries))
+    return got
+
+
+def test_prompt_logprobs_of_chunks_equal_the_whole_prompt():
+    """Chunked prefill (one chunk of a single token, which the runner treats as a decode) gives the
+    whole prompt's prompt logprobs; each is the prompt token's, with its rank and the top 2."""
+    p = prompts()["c"]
+    whole = prompt_logprob_steps([(0, 40)])
+    assert sorted(whole) == list(range(1, 40))
+    for position, entry in whole.items():
+        assert entry.token_ids[0] == p[position] and len(entry.token_ids) == len(entry.logprobs) == 3
+        assert entry.rank >= 1 and entry.logprobs[1] >= entry.logprobs[2] and entry.logprobs[1] >= entry.logprobs[0]
+    for spans, non_block in (([(0, 24), (24, 25), (25, 40)], False), ([(0, 7), (7, 40)], True)):
+        chunked = prompt_logprob_steps(spans, non_block)
+        assert sorted(chunked) == sorted(whole)
+        for position, entry in chunked.items():
+            assert entry.token_ids[0] == whole[position].token_ids[0] and entry.rank == whole[position].rank
+            assert entry.logprobs == pytest.approx(whole[position].logprobs, abs=1e-5)
+
+
+@cuda
+def test_cuda_prompt_logprobs_come_back_by_the_non_blocking_copy():
+    """On the GPU, prompt logprobs come back with the sampled ids by the pinned non-blocking copy,
+    as the blocking path gives them; a lone one-token prompt chunk runs in a decode graph, whose
+    logits rows give its prompt logprob as the eager forward does."""
+    spans = [(0, 24), (24, 25), (25, 40)]
+    cpu = prompt_logprob_steps(spans)
+    blocking = prompt_logprob_steps(spans, worker=make_worker("cuda"))
+    queued = prompt_logprob_steps(spans, non_block=True, worker=make_worker("cuda"))
+    assert sorted(queued) == sorted(blocking) == sorted(cpu)
+    for position, entry in queued.items():
+        assert entry.token_ids[0] == blocking[position].token_ids[0] == cpu[position].token_ids[0]
+        assert entry.logprobs == pytest.approx(blocking[position].logprobs, abs=1e-5)
+        assert entry.logprobs[0] == pytest.approx(cpu[position].logprobs[0], abs=2e-2)
+    graphed_worker = make_worker("cuda", "bfloat16", enforce_eager=False)
+    if graphed_worker.runner.decode_graphs is None:
+        pytest.skip("no decode graphs on this GPU (the sync-free grouped MoE needs bf16 on sm90+)")
+    eager = prompt_logprob_steps(spans, True, make_worker("cuda", "bfloat16", enforce_eager=True))
+    graphed = prompt_logprob_steps(spans, True, graphed_worker)
+    assert sorted(graphed) == sorted(eager)
+    for position, entry in graphed.items():
+        assert entry.token_ids[0] == eager[position].token_ids[0]
+        assert entry.logprobs[0] == pytest.approx(eager[position].logprobs[0], abs=5e-2)

@@ -158,7 +158,8 @@ class _SamplingRequest(_RequestModel):
             raise _fail_at("min_tokens", self.min_tokens, message)
         return self
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=1,  # the server fans a request with n > 1 out into n engine requests
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -166,6 +167,7 @@ class _SamplingRequest(_RequestModel):
             top_k=0 if self.top_k is None else self.top_k,
             min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -181,8 +183,13 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions.
 
     prompt: one string, several strings, one tokenized prompt (a list of ints) or several (a list of lists).
-    max_tokens: 16 by default; None means up to the context length.
+    max_tokens: 16 by default; None means up to the context length; 0 only with echo (the prompt alone,
+        as lm-eval's loglikelihood requests ask).
     logprobs: top logprobs per generated token (0..20); the server also checks its own max_logprobs.
+        With echo, the prompt's tokens come first in the choice's logprobs, with their prompt logprobs
+        (None for the first token).
+    prompt_logprobs (vLLM's): top logprobs per prompt token, returned in each choice's
+        `prompt_logprobs` (not when streaming, as in vLLM); with echo it defaults to `logprobs`.
     best_of: only unset or equal to n; suffix: only unset or empty.
     return_token_ids (vLLM's): each choice also carries its generated `token_ids` (when streaming, the
     new ids of each chunk, and a chunk for every new id even where the text is still empty) and its
@@ -191,10 +198,11 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
-    max_tokens: int | None = Field(default=16, ge=1, le=_MAX_INT32)
+    max_tokens: int | None = Field(default=16, ge=0, le=_MAX_INT32)
     best_of: int | None = Field(default=None, ge=1, le=_MAX_N)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_token_ids: bool = False
 
     @field_validator("prompt", mode="before")
@@ -230,12 +238,26 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             message = f"best_of={self.best_of} is not supported yet; leave it unset or equal to n={self.n}"
             raise _fail_at("best_of", self.best_of, message)
+        if self.max_tokens == 0 and not self.echo:
+            message = ("max_tokens: 0 asks for no completion, which only echo=true makes useful (the prompt "
+                       "and its logprobs alone); ask for at least 1 token, or set echo")
+            raise _fail_at("max_tokens", 0, message)
+        if self.prompt_logprobs and self.stream:  # as vLLM: prompt logprobs are not sent in streams
+            message = ("prompt_logprobs: not available when stream is true (as in vLLM); send stream=false, or "
+                       "use echo with logprobs, which streams the prompt's logprobs in the first chunk")
+            raise _fail_at("prompt_logprobs", self.prompt_logprobs, message)
         return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         """The client's cap on generated tokens; None means up to the context length."""
         return self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the answer is the prompt alone. The engine still generates one token
+        (it cannot generate none), which the server drops."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:
@@ -250,10 +272,16 @@ class CompletionRequest(_SamplingRequest):
         """The engine's SamplingParams for one of this request's n completions.
 
         max_tokens: as the server resolved it (the request's max_tokens, or what fits the context).
-        max_logprobs: the server's limit; a larger `logprobs` raises ValueError naming it.
+        max_logprobs: the server's limit; a larger `logprobs` or `prompt_logprobs` raises ValueError
+        naming it. echo with logprobs asks for prompt logprobs too, `logprobs` of them unless
+        `prompt_logprobs` says otherwise (as vLLM).
         """
         _check_logprobs_limit("logprobs", self.logprobs, max_logprobs)
-        return self._sampling_params(max_tokens, self.logprobs)
+        _check_logprobs_limit("prompt_logprobs", self.prompt_logprobs, max_logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextContentPart(_RequestModel):
@@ -497,9 +525,17 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
-    """One completion; stop_reason is the stop string or token id that ended it, if any.
-    token_ids and prompt_token_ids are set only for a request with return_token_ids."""
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of one token at one prompt position: its logprob, rank (1 = most likely), text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    """One completion, or one streamed chunk of it; stop_reason is the stop string or token id that
+    ended it, if any. token_ids and prompt_token_ids are set only for a request with return_token_ids."""
 
     index: int
     text: str
@@ -508,6 +544,13 @@ class CompletionResponseChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+
+
+class CompletionResponseChoice(CompletionResponseStreamChoice):
+    """One non-streamed completion; prompt_logprobs (vLLM's) is set for a request with prompt logprobs:
+    None for the first prompt token, then {token id: PromptLogprob}."""
+
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -529,7 +572,7 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now_s)
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -136,9 +136,21 @@ async def plan_sub_requests(
     return planned
 
 
+def prompt_only(output: RequestOutput) -> RequestOutput:
+    """The output of an echo request with max_tokens=0, which the engine ran with max_tokens=1 (it
+    cannot generate nothing): the same with that one token dropped, finished by length."""
+    completion = dataclasses.replace(
+        output.outputs[0], text="", token_ids=[], logprobs=[] if output.outputs[0].logprobs is not None else None,
+        cumulative_logprob=0.0 if output.outputs[0].cumulative_logprob is not None else None,
+        finish_reason="length" if output.finished else None, stop_reason=None,
+    )
+    return dataclasses.replace(output, outputs=[completion])
+
+
 async def stream_outputs(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
-                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run every sub-request and yield (choice index, cumulative output) as outputs arrive.
+                         drop_completion: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every sub-request and yield (choice index, cumulative output) as outputs arrive; with
+    `drop_completion` (echo with max_tokens=0), each output is `prompt_only` of itself.
 
     Leaving early (disconnect, cancellation) closes every generator, which aborts what is unfinished.
     """
@@ -166,7 +178,7 @@ async def stream_outputs(ctx: ServingContext, planned: list[tuple[int, str | Non
             elif isinstance(item, Exception):
                 raise _as_openai_error(item)
             else:
-                yield choice, item
+                yield choice, prompt_only(item) if drop_completion else item
     finally:
         for task in tasks:
             task.cancel()
@@ -195,11 +207,11 @@ class Delta:
 
 
 async def stream_deltas(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
-                        finals: dict[int, RequestOutput]) -> AsyncIterator[Delta]:
+                        finals: dict[int, RequestOutput], drop_completion: bool = False) -> AsyncIterator[Delta]:
     """`stream_outputs` as per-choice deltas; each choice's final output is also put in `finals`."""
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
-    async for choice, output in stream_outputs(ctx, planned):
+    async for choice, output in stream_outputs(ctx, planned, drop_completion):
         completion = output.outputs[0]
         first = choice not in sent_text
         text = completion.text[sent_text.get(choice, 0):]
@@ -232,10 +244,10 @@ def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
 
 
 async def collect_outputs(ctx: ServingContext, planned: list[tuple[int, str | None, EngineCoreRequest]],
-                          ) -> dict[int, RequestOutput]:
+                          drop_completion: bool = False) -> dict[int, RequestOutput]:
     """Run every sub-request to its end; the final output of each choice."""
     final: dict[int, RequestOutput] = {}
-    async for choice, output in stream_outputs(ctx, planned):
+    async for choice, output in stream_outputs(ctx, planned, drop_completion):
         if output.finished:
             final[choice] = output
     return final
