@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--cache-memory", default="256MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: the embedded tiny preset)")
+    parser.add_argument("--model", default="random:tiny", help="checkpoint dir (default: the random tiny preset)")
     parser.add_argument("--long-context", type=int, default=None,
                         help="make a tiny-preset copy whose context limit is this many tokens (NoPE: only a limit)")
     args = parser.parse_args()
@@ -136,7 +136,7 @@ def main() -> None:
         "host": platform.platform(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
         "torch": torch.__version__,
-        "model": args.model or "embedded tiny preset (random weights)",
+        "model": args.model,
         "args": vars(args),
         "rows": rows,
     }

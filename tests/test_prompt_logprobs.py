@@ -118,3 +118,24 @@ def test_prompt_logprobs_above_max_logprobs_are_refused(case):
     llm = LLM(model=model_dir, dtype="float32", device="cpu", max_logprobs=2)
     with pytest.raises(ValueError, match=r"prompt_logprobs=3 exceeds max_logprobs=2"):
         llm.generate(batch(prompts[:1]), SamplingParams(prompt_logprobs=3), use_tqdm=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpu_prompt_logprobs_match_cpu(tmp_path_factory, async_scheduling):
+    """The GPU runner's prompt-logprob path (float32, chunked) against the CPU engine's. No
+    transformers reference here: on a CUDA machine fla imports and transformers would run its
+    Triton kernels on CPU tensors. fla's TF32 dots allow ~1e-2 (test_parity's GPU tolerance)."""
+    model_dir, _ = checkpoint_dir(tmp_path_factory, "gpu-prompt-logprobs", tiny_hub_config(), seed=31)
+    prompts = random_prompts(PROMPT_LENGTHS, VOCAB, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu", max_num_batched_tokens=13)
+    gpu = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=13, cache_memory="256MiB",
+              async_scheduling=async_scheduling)
+    for a, b, prompt in zip(cpu.generate(batch(prompts), params, use_tqdm=False),
+                            gpu.generate(batch(prompts), params, use_tqdm=False), prompts, strict=True):
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            token = prompt[i]
+            assert abs(a.prompt_logprobs[i][token].logprob - b.prompt_logprobs[i][token].logprob) < 2e-2, i
+    gpu.llm_engine.scheduler.check_invariants()

@@ -14,7 +14,7 @@ from typing import Any
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.engine.core import EngineCoreRequest
-from deltaserve.model_files.embedded import embedded_model_dir
+from deltaserve.model_files.default_model import default_model_dir
 from deltaserve.model_files.random_model import random_model_config, random_model_tokenizer, random_preset_name
 from deltaserve.model_files.tokenizer import load_tokenizer
 from deltaserve.sampling_params import SamplingParams, lone_surrogate_error
@@ -34,7 +34,7 @@ class ModelInfo:
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelInfo:
-        model_dir = config.model or embedded_model_dir()
+        model_dir = config.model or default_model_dir()  # the trained tiny target, else random tiny
         if random_preset_name(model_dir) is not None:  # random:<preset>, built in memory by the worker
             model_config = random_model_config(model_dir)
             tokenizer = (load_tokenizer(config.tokenizer, config.trust_remote_code) if config.tokenizer

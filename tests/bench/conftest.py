@@ -8,6 +8,6 @@ from entrypoints.server import RemoteServer
 
 @pytest.fixture(scope="session")
 def tiny_server():
-    """The embedded tiny model (vocab 512) with a 1024-token context, on loopback."""
+    """The random tiny preset (vocab 512) with a 1024-token context, on loopback."""
     with RemoteServer() as s:
         yield s

@@ -17,11 +17,18 @@ _PIDS = re.compile(r"engine core pid (\d+); API server pids ([\d, ]+)")
 
 
 class RemoteServer:
-    """`deltaserve serve --port 0 ARGS...`; `url` once it answers /health."""
+    """`deltaserve serve --port 0 ARGS...`; `url` once it answers /health.
+
+    Without --model in ARGS it serves the random tiny preset (vocab 512) as "deltaserve-tiny" (or the
+    --served-model-name in ARGS), whatever the default model is.
+    """
 
     def __init__(self, *args: str, startup_timeout_s: float = 120.0, api_key: str | None = None) -> None:
+        model = [] if "--model" in args else ["--model", "random:tiny"]
+        if "--model" not in args and "--served-model-name" not in args:
+            model += ["--served-model-name", "deltaserve-tiny"]
         self.args = ["--port", "0", "--cache-memory", "64MiB", "--max-model-len", "1024", "--log-stats-interval",
-                     "1", *args]
+                     "1", *model, *args]
         self.api_key = api_key
         self.startup_timeout_s = startup_timeout_s
         self.lines: list[str] = []

@@ -24,7 +24,7 @@ def http(server):
 @pytest.fixture(scope="module")
 def reference():
     """The offline engine's prompt logprobs and greedy continuation of PROMPT (the server's model)."""
-    llm = LLM(max_model_len=1024, cache_memory="64MiB")
+    llm = LLM(model="random:tiny", max_model_len=1024, cache_memory="64MiB")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=K, prompt_logprobs=K)
     return llm.generate(PROMPT, params, use_tqdm=False)[0]
 

@@ -88,8 +88,8 @@ def test_an_orphaned_front_end_notices_its_launcher_is_gone(tmp_path):
 
 @pytest.fixture
 def core_proc(tmp_path):
-    """A real engine core (embedded tiny model) looping in a thread, its front-end timeout 0.5 s."""
-    proc = EngineCoreProc(EngineConfig(cache_memory="64MiB", max_model_len=1024), f"ipc://{tmp_path}/core.sock",
+    """A real engine core (the random tiny preset) looping in a thread, its front-end timeout 0.5 s."""
+    proc = EngineCoreProc(EngineConfig(model="random:tiny", cache_memory="64MiB", max_model_len=1024), f"ipc://{tmp_path}/core.sock",
                           "tiny", log_stats_interval_s=0)
     proc._frontends.silent_after_s = 0.5
     thread = threading.Thread(target=proc.run, daemon=True)
@@ -133,7 +133,7 @@ def test_the_core_aborts_the_requests_of_a_front_end_that_stopped_beating(core_p
 
 
 def test_a_front_end_whose_engine_is_gone_answers_503():
-    settings = FrontendSettings(engine_config=EngineConfig(), engine_address="ipc:///nonexistent/core.sock",
+    settings = FrontendSettings(engine_config=EngineConfig(model="random:tiny"), engine_address="ipc:///nonexistent/core.sock",
                                 served_model_names=["tiny"])
     with TestClient(build_app(settings)) as client:
         assert client.get("/health").status_code == 200

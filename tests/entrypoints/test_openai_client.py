@@ -20,7 +20,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(max_model_len=1024, cache_memory="64MiB")
+    return LLM(model="random:tiny", max_model_len=1024, cache_memory="64MiB")
 
 
 def test_models_lists_every_served_name(client):

@@ -1,4 +1,4 @@
-"""`python -m tools.train_tiny {prepare,train,eagle3,evaluate,shapes} ...` (see README.md)."""
+"""`python -m tools.train_tiny {prepare,train,eagle3,evaluate,install,shapes} ...` (see README.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     from tools.train_tiny.cli_args import add_dataclass_args, dataclass_from_args
     from tools.train_tiny.corpus import DEFAULT_HELD_OUT_PER_10K
     from tools.train_tiny.evaluate import EvalArgs, evaluate
+    from tools.train_tiny.install import InstallArgs, install
     from tools.train_tiny.prepare import DEFAULT_VOCAB_SIZE
     from tools.train_tiny.train import TrainArgs, train
     from tools.train_tiny.train_eagle3 import Eagle3Args, train_eagle3
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("evaluate", help="held-out loss, bits per byte, baselines, completions -> JSON")
     add_dataclass_args(p, EvalArgs)
     p.set_defaults(run=lambda ns: evaluate(dataclass_from_args(EvalArgs, ns)))
+    p = sub.add_parser("install", help="copy the exports into deltaserve's package and compute reference.json")
+    add_dataclass_args(p, InstallArgs)
+    p.set_defaults(run=lambda ns: install(dataclass_from_args(InstallArgs, ns)))
     p = sub.add_parser("shapes", help="parameter counts of the model shapes")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.set_defaults(run=_shapes)

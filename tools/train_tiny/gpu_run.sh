@@ -18,6 +18,8 @@ DRAFT_MODEL=${DRAFT_MODEL:-draft}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-512}
 EVAL_EVERY=${EVAL_EVERY:-200}
+# the stages this call runs, in order (a device call of under 10 minutes may run only some of them)
+STAGES=" ${STAGES:-target draft eagle3 evaluate} "
 WINDOWS=()
 if [ -n "${MAX_WINDOWS:-}" ]; then WINDOWS=(--eval-windows "$MAX_WINDOWS"); fi
 export PYTHONUNBUFFERED=1
@@ -32,18 +34,27 @@ stage_done() {
     || { echo "stage $1 paused by its budget: run this script again to continue"; exit 3; }
 }
 
+has() { [[ "$STAGES" == *" $1 "* ]]; }
+
+if has target; then
 python3 -m tools.train_tiny train "${common[@]}" --out "$R/target" --model "$TARGET_MODEL" --lr 1.5e-3 \
   --warmup-steps 100 --max-epochs 8 --train-seconds "$TARGET_S" --stop-after-seconds $((TARGET_S + SLACK)) \
   2>&1 | tee -a "$R/logs/target.log"
 stage_done "$R/target"
+fi
+if has draft; then
 python3 -m tools.train_tiny train "${common[@]}" --out "$R/draft" --model "$DRAFT_MODEL" --lr 2e-3 \
   --warmup-steps 50 --max-epochs 8 --train-seconds "$DRAFT_S" --stop-after-seconds $((DRAFT_S + SLACK)) \
   2>&1 | tee -a "$R/logs/draft.log"
 stage_done "$R/draft"
+fi
+if has eagle3; then
 python3 -m tools.train_tiny eagle3 "${common[@]}" --target "$R/target/export" --out "$R/eagle3" --ttt-steps 3 \
   --lr 1e-3 --warmup-steps 50 --max-epochs 3 --train-seconds "$EAGLE_S" --stop-after-seconds $((EAGLE_S + SLACK)) \
   2>&1 | tee -a "$R/logs/eagle3.log"
 stage_done "$R/eagle3"
+fi
+has evaluate || exit 0
 EVAL_WINDOWS=()
 if [ -n "${MAX_WINDOWS:-}" ]; then EVAL_WINDOWS=(--max-windows "$MAX_WINDOWS"); fi
 python3 -m tools.train_tiny evaluate --data "$D" --model "$R/target/export" --draft "$R/draft/export" \

@@ -183,6 +183,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
     trainer = LMTrainer(args)
     print(f"[train] ready in {time.perf_counter() - t0:.1f} s on {trainer.device}, step {trainer.loop.step}, "
           f"experts {trainer.experts_implementation!r}", flush=True)
+    # the build's probe step did most of fla's tuning: keep it even if a wall-clock limit kills the loop
+    print(f"[train] fla autotune entries saved after the build: {save_fla_autotune(args.out)}", flush=True)
     start_step = trainer.loop.step
     bpe = trainer.sampler.batches_per_epoch()
     try:

@@ -1,0 +1,1 @@
+"""Evaluation against the trained tiny models: the accuracy gate (`accuracy_gate`) and its reference file."""
