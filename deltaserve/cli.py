@@ -32,13 +32,21 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
                                          help="tokens between state checkpoint rungs (a multiple of block size)")),
     ("--state-checkpoint-fraction", dict(type=float, default=EngineConfig.state_checkpoint_fraction,
                                          help="share of the cache kept for KDA state checkpoints")),
+    ("--tensor-parallel-size", dict(type=int, default=1, help="tensor-parallel ranks per pipeline stage")),
+    ("--pipeline-parallel-size", dict(type=int, default=1, help="pipeline stages (contiguous layer ranges)")),
+    ("--pp-max-inflight", dict(type=int, default=0,
+                               help="batches in flight through the pipeline (0: one per stage)")),
+    ("--distributed-executor-backend", dict(default=None,
+                                            help="uniproc | mp (default: mp with more than one rank)")),
 ]
+_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp"}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for flag, kwargs in _ENGINE_FLAGS:
-        group.add_argument(flag, **kwargs)
+        short = _SHORT_FLAGS.get(flag)
+        group.add_argument(*((short, flag) if short else (flag,)), **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -63,7 +71,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt: str | dict = args.prompt
     if args.prompt_token_ids:
         prompt = {"prompt_token_ids": [int(t) for t in args.prompt.replace(",", " ").split()]}
-    output = llm.generate(prompt, params, use_tqdm=False)[0]
+    try:
+        output = llm.generate(prompt, params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     completion = output.outputs[0]
     if llm.get_tokenizer() is None:
         print(" ".join(map(str, completion.token_ids)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from deltaserve.config.parallel import ParallelConfig
 from deltaserve.core.checkpoint_grid import checkpoint_grid
 
+EXECUTOR_BACKENDS = ("uniproc", "mp")  # deltaserve.executor's registry; checked there at import
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -60,6 +61,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # batches in flight through the pipeline (pipeline_parallel_size > 1); 0: one per stage
+    pp_max_inflight: int = 0
+    # "uniproc" (everything in this process) or "mp" (one process per rank); None: "mp" when
+    # tensor_parallel_size x pipeline_parallel_size > 1, else "uniproc"
+    distributed_executor_backend: str | None = None
     parallel: ParallelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,22 +103,59 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-            if value > 1:
-                # the model and deltaserve.distributed run multi-rank (tests/distributed), but the engine
-                # has one in-process worker: there is no multi-process executor to drive the ranks yet
-                raise ValueError(
-                    f"{name}={value} is not supported yet: the engine has no multi-process executor, so "
-                    f"it runs one rank; set {name}=1"
-                )
+        self._check_parallel_options()
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size
         )
 
+    def _check_parallel_options(self) -> None:
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} is unknown; choose one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)} (or leave it unset)")
+        if backend == "uniproc" and world > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uniproc' runs one rank, but tensor_parallel_size="
+                f"{self.tensor_parallel_size} x pipeline_parallel_size={self.pipeline_parallel_size} = {world} "
+                "ranks; use distributed_executor_backend='mp' (or leave it unset)"
+            )
+        if not isinstance(self.pp_max_inflight, int) or self.pp_max_inflight < 0:
+            raise ValueError(f"pp_max_inflight={self.pp_max_inflight!r} must be a non-negative integer "
+                             "(0: one batch per pipeline stage)")
+        if self.pp_max_inflight > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                f"pp_max_inflight={self.pp_max_inflight} needs pipeline_parallel_size > 1 (it is 1): batches "
+                "in flight through a pipeline; set pipeline_parallel_size or leave pp_max_inflight at 0"
+            )
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            # a decode's placeholder is filled from the token its previous step sampled, which only the
+            # last stage holds; under PP the batch queue keeps several batches in flight instead
+            raise ValueError(
+                f"async_scheduling=True is not supported with pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}: under pipeline parallelism several batches are in flight "
+                "through the stages (pp_max_inflight) and a decode waits for its token; set "
+                "async_scheduling=False (or leave it unset) or pipeline_parallel_size=1"
+            )
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor the engine runs: distributed_executor_backend, or by world size."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.parallel.world_size > 1 else "uniproc"
+
+    @property
+    def batches_in_flight(self) -> int:
+        """How many batches the pipeline keeps in flight: pp_max_inflight, 0 meaning one per stage."""
+        return self.pp_max_inflight or self.pipeline_parallel_size
+
     def resolve_async_scheduling(self, device_type: str) -> bool:
-        """Whether the engine keeps two steps in flight on a device of this type."""
+        """Whether the engine keeps two steps in flight on a device of this type (never under PP,
+        whose batch queue keeps its own batches in flight)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device_type == "cuda"
+        return device_type == "cuda" and self.pipeline_parallel_size == 1
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -28,8 +28,10 @@ sample: each step records the life (`num_preemptions`) of the requests it runs.
 
 A step that samples for a request leaves a placeholder on it (`Request.num_pending_outputs`) until
 the step is reported; the next step may decode on it (`PLACEHOLDER_TOKEN_ID`, filled in by the
-worker from the id it sampled), unless a length limit can have ended the request. With one step in
-flight there is never a placeholder when `schedule()` runs.
+worker from the id it sampled), unless a length limit can have ended the request or `decode_ahead`
+is off (pipeline parallelism: only the last stage holds the sampled id, so a decode waits for its
+token while prefill chunks still follow each other into the pipeline). With one step in flight there
+is never a placeholder when `schedule()` runs.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    # whether a step may decode on a placeholder (a token still in flight), which the worker fills from
+    # the id it sampled; off under pipeline parallelism, where only the last stage holds that id
+    decode_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -231,7 +236,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_pending_outputs and not request.may_run_ahead(self.config.max_model_len):
+            if request.num_pending_outputs and not (
+                self.config.decode_ahead and request.may_run_ahead(self.config.max_model_len)
+            ):
                 i += 1
                 continue
             num_new, kind = self._chunk_length(request, request.num_computed_tokens, budget)

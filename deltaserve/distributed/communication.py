@@ -3,6 +3,9 @@
 Every function here runs on every rank of the group it names, and each call is matched on all of
 them (a rank that skips one hangs the rest). Without process groups (world size 1, or a group of
 one) the collectives return their input unchanged and cost one attribute read.
+
+Ranks that share one GPU cannot use NCCL (it refuses two ranks on one device), so they run gloo and
+their CUDA tensors are staged through host memory here: correct, and slow; for tests only.
 """
 
 from __future__ import annotations
@@ -22,8 +25,17 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if state is None or state.tp_group is None:
         return x
     x = x.contiguous()
+    if _staged(state, x):
+        host = x.cpu()
+        dist.all_reduce(host, group=state.tp_group)
+        return x.copy_(host)
     dist.all_reduce(x, group=state.tp_group)
     return x
+
+
+def _staged(state: parallel_state.DistributedState, x: torch.Tensor) -> bool:
+    """Whether `x` must go through host memory: a device tensor over gloo (ranks sharing a GPU)."""
+    return state.backend == "gloo" and x.device.type != "cpu"
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -35,9 +47,12 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if state is None or state.tp_group is None:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in state.tp_ranks]
-    dist.all_gather(parts, x, group=state.tp_group)
-    return torch.cat(parts, dim=dim)
+    staged = _staged(state, x)
+    src = x.cpu() if staged else x
+    parts = [torch.empty_like(src) for _ in state.tp_ranks]
+    dist.all_gather(parts, src, group=state.tp_group)
+    out = torch.cat(parts, dim=dim)
+    return out.to(x.device) if staged else out
 
 
 def send_tensors(tensors: dict[str, torch.Tensor], dst: int | None = None) -> None:
@@ -56,7 +71,8 @@ def send_tensors(tensors: dict[str, torch.Tensor], dst: int | None = None) -> No
     meta = [(name, tuple(tensors[name].shape), tensors[name].dtype) for name in names]
     dist.send_object_list([meta], dst=dst, group=state.pp_cpu_group)
     for name in names:
-        dist.send(tensors[name].contiguous(), dst=dst, group=state.pp_group)
+        t = tensors[name].contiguous()
+        dist.send(t.cpu() if _staged(state, t) else t, dst=dst, group=state.pp_group)
 
 
 def recv_tensors(src: int | None = None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -72,8 +88,9 @@ def recv_tensors(src: int | None = None, device: torch.device | str = "cpu") -> 
     box: list[object] = [None]
     dist.recv_object_list(box, src=src, group=state.pp_cpu_group)
     out = {}
+    staged = state.backend == "gloo" and torch.device(device).type != "cpu"
     for name, shape, dtype in box[0]:  # type: ignore[union-attr]
-        t = torch.empty(shape, dtype=dtype, device=device)
+        t = torch.empty(shape, dtype=dtype, device="cpu" if staged else device)
         dist.recv(t, src=src, group=state.pp_group)
-        out[name] = t
+        out[name] = t.to(device) if staged else t
     return out

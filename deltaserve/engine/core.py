@@ -21,13 +21,14 @@ from typing import Any
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
-from deltaserve.core.cache_sizing import CachePlan, default_checkpoint_interval, plan_cache
+from deltaserve.core.cache_sizing import CachePlan, default_checkpoint_interval
 from deltaserve.core.checkpoint_pool import CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.scheduler_output import SchedulerOutput
+from deltaserve.core.stage_specs import model_wide_specs, plan_stage_caches
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, StepPromptLogprobs, TokenLogprobs
@@ -103,34 +104,58 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self._arrivals = itertools.count()
-        from deltaserve.executor.uniproc import UniProcExecutor  # torch and the model: only where the core runs
+        from deltaserve.executor.base import executor_class  # torch and the model: only where the core runs
 
-        self.executor = UniProcExecutor(config, model_config, model_dir, model)
-        kv_spec, state_spec = self.executor.cache_specs()
+        self.executor = executor_class(config.executor_backend)(config, model_config, model_dir, model)
+        try:
+            self._plan_caches(config, max_model_len)
+            self._build_scheduler(config, max_model_len)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._timings: dict[str, _Timing] = {}
+        self._num_computed_tokens = 0
+        self.async_scheduling = config.resolve_async_scheduling(self.executor.device_type)
+        # steps scheduled and handed to the executor, oldest first: async scheduling keeps two in flight,
+        # a pipeline up to pp_max_inflight batches (0: one per stage)
+        self.pipelined = config.pipeline_parallel_size > 1
+        if self.pipelined:
+            self.batch_queue_size = config.batches_in_flight
+        else:
+            self.batch_queue_size = 2 if self.async_scheduling else 1
+        self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
+        self._max_batches_in_flight = 0
+        logger.info(
+            "deltaserve engine: model=%s dtype=%s device=%s executor=%s tp=%d pp=%d kv_blocks=%d (block_size %d) "
+            "state_slots=%d checkpoint_units=%d x %d bytes prefix_caching=%s async_scheduling=%s "
+            "batches_in_flight=%d",
+            model_dir, self.executor.dtype_name, self.executor.device_name, config.executor_backend,
+            config.tensor_parallel_size, config.pipeline_parallel_size,
+            self.cache_plan.num_blocks, config.block_size, self.cache_plan.num_state_slots,
+            self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, config.enable_prefix_caching,
+            self.async_scheduling, self.batch_queue_size,
+        )
+
+    def _build_scheduler(self, config: EngineConfig, max_model_len: int) -> None:
+        """The KV manager, the prefix cache and the scheduler over the planned caches."""
+        kv_spec, state_spec = self.model_kv_spec, self.model_state_spec
         caching = config.enable_prefix_caching
         slots_per_seq = 2 if caching else 1  # prefix caching: a boundary slot beside the live one
-        self.cache_plan: CachePlan = plan_cache(
-            self.executor.available_cache_bytes(), kv_spec, state_spec, config.max_num_seqs, max_model_len,
-            slots_per_seq=slots_per_seq,
-            checkpoint_fraction=config.state_checkpoint_fraction if caching else 0.0,
-            checkpoint_unit_bytes=config.state_checkpoint_unit_bytes,
-        )
-        if config.num_kv_blocks is not None:
-            self.cache_plan = dataclasses.replace(self.cache_plan, num_blocks=config.num_kv_blocks)
-        self.executor.initialize_cache(self.cache_plan)
         kv_manager = KVCacheManager(kv_spec, self.cache_plan.num_blocks, enable_prefix_caching=caching)
         self.prefix_cache: PrefixCache | None = None
         if caching:
             interval = config.state_checkpoint_interval or default_checkpoint_interval(kv_spec, state_spec)
+            # under PP a checkpoint takes the same unit ids on every stage: as many as the largest needs
+            image_bytes = max(st.bytes_per_image for _, st in self.stage_specs)
             units = CheckpointPool(
                 self.cache_plan.num_checkpoint_units,
                 max(self.cache_plan.checkpoint_unit_bytes, 1),
-                state_spec.bytes_per_image,
+                image_bytes,
             )
             if units.capacity < 1:
                 raise ValueError(
                     f"prefix caching needs room for at least one KDA state checkpoint "
-                    f"({state_spec.bytes_per_image} bytes), but state_checkpoint_fraction="
+                    f"({image_bytes} bytes), but state_checkpoint_fraction="
                     f"{config.state_checkpoint_fraction} leaves {self.cache_plan.num_checkpoint_units} units of "
                     f"{self.cache_plan.checkpoint_unit_bytes} bytes: raise state_checkpoint_fraction "
                     f"(--state-checkpoint-fraction) or the cache budget, or turn prefix caching off "
@@ -142,26 +167,31 @@ class EngineCore:
                 max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots // slots_per_seq),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_model_len,
+                # only the last stage knows a sampled token: under PP a decode waits for it
+                decode_ahead=config.pipeline_parallel_size == 1,
             ),
             kv_manager,
             StateSlotPool(self.cache_plan.num_state_slots),
             self.prefix_cache,
         )
-        self._timings: dict[str, _Timing] = {}
-        self._num_computed_tokens = 0
-        device = self.executor.worker.device
-        self.async_scheduling = config.resolve_async_scheduling(device.type)
-        # steps scheduled and handed to the executor, oldest first; async scheduling keeps two in flight
-        self.batch_queue_size = 2 if self.async_scheduling else 1
-        self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
-        logger.info(
-            "deltaserve engine: model=%s dtype=%s device=%s kv_blocks=%d (block_size %d) state_slots=%d "
-            "checkpoint_units=%d x %d bytes prefix_caching=%s async_scheduling=%s",
-            model_dir, self.executor.worker.dtype, device,
-            self.cache_plan.num_blocks, config.block_size, self.cache_plan.num_state_slots,
-            self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, caching,
-            self.async_scheduling,
+
+    def _plan_caches(self, config: EngineConfig, max_model_len: int) -> None:
+        """The cache plan every pipeline stage can hold, allocated on every rank, and the joint KDA
+        checkpoint spec the stages agreed on (None without checkpoints)."""
+        caching = config.enable_prefix_caching
+        self.stage_specs = self.executor.stage_cache_specs()
+        self.model_kv_spec, self.model_state_spec = model_wide_specs(self.stage_specs)
+        plan, joint = plan_stage_caches(
+            self.executor.stage_cache_bytes(), self.stage_specs, config.max_num_seqs, max_model_len,
+            slots_per_seq=2 if caching else 1,
+            checkpoint_fraction=config.state_checkpoint_fraction if caching else 0.0,
+            checkpoint_unit_bytes=config.state_checkpoint_unit_bytes,
         )
+        if config.num_kv_blocks is not None:
+            plan = dataclasses.replace(plan, num_blocks=config.num_kv_blocks)
+        self.cache_plan: CachePlan = plan
+        self.checkpoint_spec = joint
+        self.executor.initialize_cache(plan, joint)
 
     # Requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -227,6 +257,9 @@ class EngineCore:
         if len(queue) < self.batch_queue_size and self._has_work_to_schedule():
             scheduler_output = self.scheduler.schedule()
             queue.append((scheduler_output, self._launch(scheduler_output, stats)))
+            if not scheduler_output.is_empty:
+                in_flight = sum(not so.is_empty for so, _ in queue)
+                self._max_batches_in_flight = max(self._max_batches_in_flight, in_flight)
             if len(queue) < self.batch_queue_size and not scheduler_output.is_empty:
                 return [], stats  # room for one more step before waiting on this one
         if not queue:
@@ -244,7 +277,7 @@ class EngineCore:
                 timing.first_scheduled_time = now
         stats.num_computed_tokens = scheduler_output.num_scheduled_tokens
         self._num_computed_tokens += stats.num_computed_tokens
-        if not self.async_scheduling:
+        if not (self.async_scheduling or self.pipelined):
             return AsyncModelRunnerOutput.ready(self.executor.execute_model(scheduler_output))
         return self.executor.execute_model(scheduler_output, non_block=True)
 
@@ -328,6 +361,14 @@ class EngineCore:
             "state_slots": {
                 "num_slots": self.scheduler.state_pool.num_slots,
                 "num_free": self.scheduler.state_pool.num_free,
+            },
+            "executor": {
+                "backend": self.config.executor_backend,
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "pipeline_parallel_size": self.config.pipeline_parallel_size,
+                "batch_queue_size": self.batch_queue_size,
+                "batches_in_flight": sum(not so.is_empty for so, _ in self._batch_queue),
+                "max_batches_in_flight": self._max_batches_in_flight,
             },
         }
         pc = self.prefix_cache

@@ -80,11 +80,11 @@ class EngineCoreProc:
         info = ModelInfo.load(config)
         self.core = EngineCore(config, info.model_dir, info.model_config, info.max_model_len, info.eos_token_ids)
         plan = self.core.cache_plan
-        worker = self.core.executor.worker
+        executor = self.core.executor
         self.ready = CoreReady(
             info.model_dir, info.max_model_len, plan.num_blocks, config.block_size, plan.num_state_slots,
             plan.num_checkpoint_units, plan.checkpoint_unit_bytes, plan.total_bytes,
-            str(worker.device), str(worker.dtype).removeprefix("torch."),
+            executor.device_name, executor.dtype_name,
         )
         self.metrics = EngineMetrics(served_model_name, info.max_model_len)
         self.stats_logger = StatsLogger(log_stats_interval_s) if log_stats_interval_s > 0 else None

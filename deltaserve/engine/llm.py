@@ -28,7 +28,9 @@ class LLM:
     """Load a Kimi Linear checkpoint (or, with no `model`, the embedded tiny one) and generate.
 
     Keyword arguments are the engine options of `EngineConfig` (max_num_seqs, max_num_batched_tokens,
-    block_size, max_model_len, cache_memory, gpu_memory_utilization, dtype, device, seed, ...).
+    block_size, max_model_len, cache_memory, gpu_memory_utilization, dtype, device, seed,
+    tensor_parallel_size, pipeline_parallel_size, pp_max_inflight, ...). With more than one rank the
+    engine runs one process per rank (the "mp" executor); `shutdown()` stops them.
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
@@ -38,6 +40,11 @@ class LLM:
             raise TypeError(f"LLM() got unknown option(s): {', '.join(unknown)}")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options), model=built_model)
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's rank processes (with tensor_parallel_size or pipeline_parallel_size > 1);
+        also done at interpreter exit."""
+        self.llm_engine.shutdown()
 
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters: scheduler, KV cache, prefix-cache hits and KDA state checkpoints."""

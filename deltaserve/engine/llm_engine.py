@@ -96,6 +96,10 @@ class LLMEngine:
         """Counters and gauges of the scheduler, the KV cache and the prefix cache (plain numbers)."""
         return self.core.get_metrics()
 
+    def shutdown(self) -> None:
+        """Stop the executor's ranks (the rank processes of a multi-process executor)."""
+        self.core.shutdown()
+
     # The loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that produced a token."""

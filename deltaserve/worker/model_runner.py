@@ -11,6 +11,11 @@ with `non_block` the sampled ids come back by a non-blocking copy that `get_outp
 
 Chunks of requests with prompt_logprobs also get logits at the prompt rows the scheduler named
 (`worker/prompt_logprobs.py`); they come back with the sampled ids, by the same copy.
+
+Under pipeline parallelism every stage's runner prepares the same step (block tables, state slots and
+checkpoint copies are per stage, under the same ids); a later stage takes the previous stage's residual
+stream instead of token ids, a stage before the last sends its stream on and samples nothing. Only the
+last stage samples, so under PP the scheduler never sends a placeholder (a decode waits for its token).
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
+from deltaserve.distributed import recv_tensors, send_tensors
 from deltaserve.model.forward_context import ForwardContext, PrefillSequence, set_forward_context
-from deltaserve.model.kimi_linear import KimiLinearForCausalLM
+from deltaserve.model.kimi_linear import IntermediateTensors, KimiLinearForCausalLM
 from deltaserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, step_seed
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.block_tables import BlockTables
@@ -232,7 +238,11 @@ class ModelRunner:
             logits = rows[step.sample_rows]
         else:
             with set_forward_context(ctx):
-                rows = self.model(step.input_ids)
+                rows = self._stage_forward(step.input_ids)
+            if rows is None:  # a stage before the last: its stream went on to the next stage
+                if self.state_store is not None:
+                    self.state_store.after_forward(scheduler_output)
+                return None
             to_logits = self.model.compute_logits
             logits = to_logits(rows[step.sample_rows]) if step.sample_chunks else None
         prompt = None
@@ -254,6 +264,23 @@ class ModelRunner:
         self.last_sampled.index_copy_(0, step.sample_table_rows, sampled.sampled_token_ids)
         self._has_sampled.update(c.request_id for c in step.sample_chunks)
         return StepResult(step.sample_chunks, params, sampled, step.prompt_plan, prompt)
+
+    def _stage_forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """This stage's forward (inside the step's forward context): token ids [T] (first stage) or the
+        previous stage's stream -> the last stage's hidden rows [T, hidden_size]; a stage before the last
+        sends its stream ([T, hidden_size] twice) to the same TP rank of the next stage and returns None.
+        Every stage runs every step, in step order, so each send meets its receive."""
+        parallel = self.model.parallel
+        if parallel.pipeline_parallel_size == 1:
+            return self.model(input_ids)
+        if parallel.is_first_stage:
+            out = self.model(input_ids)
+        else:
+            out = self.model(intermediate=IntermediateTensors.from_dict(recv_tensors(device=self.device)))
+        if isinstance(out, IntermediateTensors):
+            send_tensors(out.to_dict())
+            return None
+        return out
 
     def _grow_last_sampled(self) -> None:
         """Give last_sampled a slot for every block-table row (rows grow as requests arrive)."""

@@ -39,14 +39,15 @@ class Worker:
     """Loads the model, sizes and allocates the caches, executes steps."""
 
     def __init__(self, engine_config: EngineConfig, model_config: KimiLinearConfig, model_dir: str,
-                 parallel: ParallelConfig | None = None) -> None:
-        """`parallel`: this rank's place in the TP x PP grid, for a worker run under
-        deltaserve.distributed (EngineConfig itself still refuses sizes > 1); None: the engine's."""
+                 parallel: ParallelConfig | None = None, device: torch.device | None = None) -> None:
+        """`parallel`: this rank's place in the TP x PP grid (a rank process of the multi-process
+        executor, after deltaserve.distributed.init_distributed); None: the engine's, one rank.
+        `device`: this rank's device (the executor's placement); None: from engine_config.device."""
         self.engine_config = engine_config
         self.model_config = model_config
         self.model_dir = model_dir
         self.parallel = engine_config.parallel if parallel is None else parallel
-        self.device = resolve_device(engine_config.device)
+        self.device = resolve_device(engine_config.device) if device is None else device
         self.dtype = resolve_dtype(engine_config.dtype, model_config)
         self.model: KimiLinearForCausalLM | None = None
         self.runner: ModelRunner | None = None
@@ -122,7 +123,9 @@ class Worker:
             store = StateCheckpointStore(tensors, plan.num_checkpoint_units, plan.checkpoint_unit_bytes)
             assert self.runner is not None
             self.runner.state_store = store
-        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+        if self.parallel.pipeline_parallel_size > 1:
+            logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
+        elif self.device.type == "cuda" and not self.engine_config.enforce_eager:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
 
     def _decode_is_capturable(self) -> bool:

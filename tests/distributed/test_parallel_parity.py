@@ -160,6 +160,7 @@ def test_multi_rank_model_refuses_to_run_without_init_distributed(model_dir):
 
 
 @pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_engine_refuses_multi_rank_until_an_executor_exists(option):
-    with pytest.raises(ValueError, match=f"{option}=2 is not supported yet: the engine has no multi-process"):
-        EngineConfig(**{option: 2})
+def test_engine_runs_multi_rank_on_the_multiprocess_executor(option):
+    config = EngineConfig(**{option: 2})
+    assert config.parallel.world_size == 2 and config.executor_backend == "mp"
+    assert EngineConfig().executor_backend == "uniproc"
