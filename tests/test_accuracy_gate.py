@@ -76,6 +76,20 @@ def test_prompt_logprobs_equal_transformers_on_a_heldout_window(trained):
     assert abs(-want.mean().item() - reference.result.window_losses[0]) < 1e-4 * reference.result.window_losses[0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("dtype", "preset"), [("float32", "float32-gpu"), ("bfloat16", "bfloat16")])
+def test_gpu_passes_the_gate_within_its_preset(trained, dtype, preset, record_property):
+    """The GPU path (fla's KDA, the Triton MLA kernels; CUDA graphs in bfloat16) against the CPU
+    reference, within the preset's tolerances; prints the figures that set those presets."""
+    model_dir, reference = trained
+    llm = LLM(model=model_dir, dtype=dtype, device="cuda", cache_memory="256MiB")
+    report = check(measure(llm, reference.inputs), reference, raise_on_failure=False, **TOLERANCES[preset])
+    record_property("gate", report.summary())
+    print(f"accuracy gate, {dtype} on {torch.cuda.get_device_name()}: loss_rel_err {report.loss_rel_err:.2e}, "
+          f"worst window {max(report.window_rel_errs):.2e}, token agreement {report.token_agreement:.3f}")
+    assert report.passed, report.summary()
+
+
 # the report, on hand-made figures -------------------------------------------------------------------
 def _reference() -> GateReference:
     inputs = GateInputs(windows=[[5, 6, 7], [8, 9, 10, 11]], max_tokens=4,
