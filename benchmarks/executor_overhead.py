@@ -23,14 +23,13 @@ import gc
 import json
 import os
 import statistics
-import time
 
 import torch
+from decode_timing import time_decode_steps
 from host_step_time import machine
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
-from deltaserve.sampling_params import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXECUTORS = ("uniproc", "mp")
@@ -47,22 +46,7 @@ def measure(executor: str, batch: int, args: argparse.Namespace) -> dict:
     engine = LLMEngine(config)
     try:
         core = engine.core
-        gen = torch.Generator().manual_seed(0)
-        vocab = engine.model_config.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + args.warmup + 32, ignore_eos=True)
-        for i in range(batch):
-            prompt = torch.randint(3, vocab, (args.context,), generator=gen).tolist()
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-        started: set[str] = set()
-        while len(started) < batch:  # prefill: until every request has sampled its first token
-            outputs, _ = core.step()
-            started.update(o.request_id for o in outputs if o.new_token_ids)
-        times = []
-        for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            core.step()
-            if i >= args.warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
+        times = time_decode_steps(engine, batch, args.context, args.steps, args.warmup)
         return {"executor": executor, "batch": batch, "median_ms": statistics.median(times),
                 "mean_ms": statistics.fmean(times), "min_ms": min(times), "steps": len(times),
                 "async_scheduling": core.async_scheduling, "device": core.executor.device_name}

@@ -36,10 +36,22 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--pipeline-parallel-size", dict(type=int, default=1, help="pipeline stages (contiguous layer ranges)")),
     ("--pp-max-inflight", dict(type=int, default=0,
                                help="batches in flight through the pipeline (0: one per stage)")),
+    ("--decode-context-parallel-size", dict(type=int, default=1,
+                                            help="TP ranks that split each request's MLA latents (divides -tp)")),
+    ("--dcp-kv-cache-interleave-size", dict(type=int, default=1,
+                                            help="consecutive tokens per DCP rank (divides the block size)")),
     ("--distributed-executor-backend", dict(default=None,
                                             help="uniproc | mp (default: mp with more than one rank)")),
+    ("--nnodes", dict(type=int, default=1, help="nodes the ranks span (each runs world size / nnodes ranks)")),
+    ("--node-rank", dict(type=int, default=0,
+                         help="this node (0: the head, which runs the engine and serves; others run ranks only)")),
+    ("--master-addr", dict(default=None, help="the head node's address (with --nnodes > 1)")),
+    ("--master-port", dict(type=int, default=None,
+                           help="the head's first of four ports: torch.distributed, then steps, replies, nodes")),
+    ("--numa-bind", dict(default=None, help="NUMA node of each local GPU, e.g. 0,0,1,1: binds each rank's CPUs")),
 ]
-_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp"}
+_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
+                "--decode-context-parallel-size": "-dcp"}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +79,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop or None,
         ignore_eos=args.ignore_eos,
     )
+    if args.node_rank:  # a worker node: this node's ranks only, for the head's engine
+        return _run_worker_node(EngineConfig(model=args.model, seed=args.seed, **engine_options(args)))
     llm = LLM(model=args.model, seed=args.seed if args.seed is not None else 0, **engine_options(args))
     prompt: str | dict = args.prompt
     if args.prompt_token_ids:
@@ -104,7 +118,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cpu_work_timeout_s=args.cpu_work_timeout,
     )
     config = EngineConfig(model=args.model, seed=args.seed, **engine_options(args))
+    if config.node_rank:  # a worker node (--node-rank > 0): no HTTP, this node's ranks only
+        return _run_worker_node(config)
     return serve(config, options)
+
+
+def _run_worker_node(config: EngineConfig) -> int:
+    from deltaserve.executor.worker_node import run_worker_node
+
+    return run_worker_node(config)
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:

@@ -63,9 +63,21 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # batches in flight through the pipeline (pipeline_parallel_size > 1); 0: one per stage
     pp_max_inflight: int = 0
+    # decode context parallelism (vLLM's names): groups of this many TP ranks split each request's MLA
+    # latents, token t on DCP rank (t // interleave) % size; it divides tensor_parallel_size
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1  # divides block_size
     # "uniproc" (everything in this process) or "mp" (one process per rank); None: "mp" when
     # tensor_parallel_size x pipeline_parallel_size > 1, else "uniproc"
     distributed_executor_backend: str | None = None
+    # several nodes (vLLM's names): node `node_rank` of `nnodes` runs world_size / nnodes ranks; the
+    # head (node_rank 0) runs the engine, the others only ranks; all meet at master_addr:master_port
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    # per-GPU NUMA nodes, "0,0,1,1": each rank binds its CPUs to the node of its local GPU index
+    numa_bind: str | None = None
     parallel: ParallelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,13 +98,16 @@ class EngineConfig:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
-        grid = checkpoint_grid(self.block_size)
+        self._check_dcp_options()
+        grid = checkpoint_grid(self.scheduler_block_size)
         if self.state_checkpoint_interval is not None and (
             self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % grid
         ):
+            dcp = (f" x decode_context_parallel_size={self.decode_context_parallel_size}"
+                   if self.decode_context_parallel_size > 1 else "")
             raise ValueError(
                 f"state_checkpoint_interval={self.state_checkpoint_interval} must be a positive multiple of the "
-                f"checkpoint grid, {grid} tokens (block_size={self.block_size} and fla's chunk of 64)"
+                f"checkpoint grid, {grid} tokens (block_size={self.block_size}{dcp} and fla's chunk of 64)"
             )
         if not 0.0 <= self.state_checkpoint_fraction <= 0.9:
             raise ValueError(f"state_checkpoint_fraction={self.state_checkpoint_fraction} must be in [0, 0.9]")
@@ -104,9 +119,30 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self._check_parallel_options()
+        self._check_node_options()
         self.parallel = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
         )
+
+    def _check_dcp_options(self) -> None:
+        dcp, interleave = self.decode_context_parallel_size, self.dcp_kv_cache_interleave_size
+        for name, value in (("decode_context_parallel_size", dcp), ("dcp_kv_cache_interleave_size", interleave)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.tensor_parallel_size % dcp:
+            raise ValueError(
+                f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={self.tensor_parallel_size}: "
+                "a DCP group is made of TP ranks (it adds no ranks)"
+            )
+        if self.block_size % interleave:
+            raise ValueError(f"dcp_kv_cache_interleave_size={interleave} must divide block_size={self.block_size}")
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens one scheduler block covers: block_size x decode_context_parallel_size (each DCP rank's
+        page holds block_size of them)."""
+        return self.block_size * self.decode_context_parallel_size
 
     def _check_parallel_options(self) -> None:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
@@ -138,12 +174,55 @@ class EngineConfig:
                 "async_scheduling=False (or leave it unset) or pipeline_parallel_size=1"
             )
 
+    def _check_node_options(self) -> None:
+        """nnodes / node_rank / master_addr / master_port / numa_bind (see the fields)."""
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        for name in ("nnodes", "node_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name == "nnodes" else 0):
+                raise ValueError(f"{name}={value!r} must be a {'positive' if name == 'nnodes' else 'non-negative'} "
+                                 "integer")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes} (nodes are numbered "
+                             f"0 to {self.nnodes - 1}; node 0 runs the engine)")
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65533):
+            raise ValueError(f"master_port={self.master_port!r} must be a TCP port below 65533 (it and the next "
+                             "three ports are used)")
+        if self.nnodes > 1:
+            if world % self.nnodes or (world // self.nnodes) % self.tensor_parallel_size:
+                raise ValueError(
+                    f"nnodes={self.nnodes} must divide tensor_parallel_size={self.tensor_parallel_size} x "
+                    f"pipeline_parallel_size={self.pipeline_parallel_size} = {world} ranks into whole pipeline "
+                    "stages per node (a TP group never spans nodes): make pipeline_parallel_size a multiple of "
+                    "nnodes"
+                )
+            if self.master_addr is None or self.master_port is None:
+                raise ValueError(f"nnodes={self.nnodes} needs master_addr and master_port (the head node's "
+                                 "address, and a port from which four are free there)")
+            if self.distributed_executor_backend == "uniproc":
+                raise ValueError("distributed_executor_backend='uniproc' runs on one node; with nnodes > 1 use "
+                                 "'mp' (or leave it unset)")
+        if self.numa_bind is not None:
+            from deltaserve.distributed.placement import parse_numa_bind
+
+            per_node = world // self.nnodes
+            entries = parse_numa_bind(self.numa_bind)
+            if len(entries) < per_node:
+                raise ValueError(
+                    f"numa_bind={self.numa_bind!r} has {len(entries)} entries but each node runs {per_node} ranks "
+                    f"(tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} / nnodes={self.nnodes}); give one NUMA node per GPU"
+                )
+            if world == 1 and self.distributed_executor_backend != "mp":
+                raise ValueError("numa_bind binds rank processes: with one rank set "
+                                 "distributed_executor_backend='mp'")
+
     @property
     def executor_backend(self) -> str:
         """The executor the engine runs: distributed_executor_backend, or by world size."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "mp" if self.parallel.world_size > 1 else "uniproc"
+        return "mp" if self.parallel.world_size > 1 or self.nnodes > 1 else "uniproc"
 
     @property
     def batches_in_flight(self) -> int:

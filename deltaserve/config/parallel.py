@@ -23,6 +23,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     tensor_parallel_rank: int = 0
     pipeline_parallel_rank: int = 0
+    # decode context parallelism: groups of this many consecutive TP ranks split each request's MLA
+    # latents (it divides tensor_parallel_size and adds no ranks)
+    decode_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -32,6 +35,15 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_rank={self.tensor_parallel_rank} out of range")
         if not 0 <= self.pipeline_parallel_rank < self.pipeline_parallel_size:
             raise ValueError(f"pipeline_parallel_rank={self.pipeline_parallel_rank} out of range")
+        dcp = self.decode_context_parallel_size
+        if dcp < 1 or self.tensor_parallel_size % dcp:
+            raise ValueError(f"decode_context_parallel_size={dcp} must be a positive divisor of "
+                             f"tensor_parallel_size={self.tensor_parallel_size} (DCP reuses the TP ranks)")
+
+    @property
+    def decode_context_parallel_rank(self) -> int:
+        """This rank's place in its DCP group (TP ranks [k * dcp, (k + 1) * dcp) form group k)."""
+        return self.tensor_parallel_rank % self.decode_context_parallel_size
 
     @property
     def world_size(self) -> int:

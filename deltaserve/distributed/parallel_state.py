@@ -4,6 +4,8 @@ Global ranks are laid out tensor-parallel innermost, as in vLLM and Megatron:
 `rank = pipeline_parallel_rank * tensor_parallel_size + tensor_parallel_rank`. A TP group holds the
 ranks of one pipeline stage; a PP group holds the ranks with the same TP rank, one per stage, so each
 TP rank of stage k sends its (replicated) activations to the same TP rank of stage k + 1.
+A decode-context-parallel (DCP) group holds `decode_context_parallel_size` consecutive TP ranks of
+one stage; its ranks split each request's MLA latents (`dcp_layout.py`).
 
 Every rank creates every group, in the same order (torch.distributed requires it), and keeps the ones
 it belongs to. Besides the device group, each rank keeps a CPU (gloo) group for the pipeline so that
@@ -33,6 +35,9 @@ class DistributedState:
     pp_group: dist.ProcessGroup | None  # None when pipeline_parallel_size == 1
     pp_cpu_group: dist.ProcessGroup | None  # gloo twin of pp_group, for metadata
     pp_ranks: tuple[int, ...]
+    # decode context parallelism: this rank's group of consecutive TP ranks (None without DCP)
+    dcp_group: dist.ProcessGroup | None = None
+    dcp_ranks: tuple[int, ...] = ()
 
     @property
     def prev_stage_rank(self) -> int:
@@ -52,7 +57,8 @@ class DistributedState:
 _state: DistributedState | None = None
 
 
-def parallel_config_for_rank(tensor_parallel_size: int, pipeline_parallel_size: int, rank: int) -> ParallelConfig:
+def parallel_config_for_rank(tensor_parallel_size: int, pipeline_parallel_size: int, rank: int,
+                             decode_context_parallel_size: int = 1) -> ParallelConfig:
     """The ParallelConfig of global `rank` under the TP-innermost layout."""
     world = tensor_parallel_size * pipeline_parallel_size
     if not 0 <= rank < world:
@@ -64,6 +70,7 @@ def parallel_config_for_rank(tensor_parallel_size: int, pipeline_parallel_size: 
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_rank=rank % tensor_parallel_size,
         pipeline_parallel_rank=rank // tensor_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
     )
 
 
@@ -74,6 +81,7 @@ def init_distributed(
     world_size: int,
     init_method: str | None = None,
     backend: str = "gloo",
+    decode_context_parallel_size: int = 1,
 ) -> ParallelConfig:
     """Join the world and build this rank's groups; returns this rank's ParallelConfig.
 
@@ -91,11 +99,14 @@ def init_distributed(
         )
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not supported; choose 'gloo' (CPU) or 'nccl' (CUDA)")
-    parallel = parallel_config_for_rank(tensor_parallel_size, pipeline_parallel_size, rank)
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    parallel = parallel_config_for_rank(tensor_parallel_size, pipeline_parallel_size, rank,
+                                        decode_context_parallel_size)
+    tp, pp, dcp = tensor_parallel_size, pipeline_parallel_size, decode_context_parallel_size
     tp_ranks = tuple(parallel.pipeline_parallel_rank * tp + t for t in range(tp))
     pp_ranks = tuple(p * tp + parallel.tensor_parallel_rank for p in range(pp))
-    tp_group = pp_group = pp_cpu_group = None
+    tp_group = pp_group = pp_cpu_group = dcp_group = None
+    dcp_start = rank - parallel.decode_context_parallel_rank
+    dcp_ranks = tuple(range(dcp_start, dcp_start + dcp))
     if world_size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         if tp > 1:
@@ -110,8 +121,13 @@ def init_distributed(
                 cpu_group = group if backend == "gloo" else dist.new_group(ranks, backend="gloo")
                 if t == parallel.tensor_parallel_rank:
                     pp_group, pp_cpu_group = group, cpu_group
+        if dcp > 1:  # after the TP and PP groups: every rank creates every group in one order
+            for start in range(0, world_size, dcp):
+                group = dist.new_group(list(range(start, start + dcp)), backend=backend)
+                if start == dcp_start:
+                    dcp_group = group
     _state = DistributedState(parallel, rank, world_size, backend, tp_group, tp_ranks, pp_group, pp_cpu_group,
-                              pp_ranks)
+                              pp_ranks, dcp_group, dcp_ranks)
     return parallel
 
 

@@ -6,14 +6,23 @@ will be added in front when data parallelism arrives). The same index picks the 
 entry of the per-GPU NUMA list, so the two cannot drift apart (a deployment that left pp_rank out of
 the index bound every pipeline stage to GPU 0's NUMA node).
 
-Runs on every rank, before the process group is initialised; no collectives.
+With several nodes every node runs `world_size / nnodes` consecutive global ranks (whole TP groups,
+so a stage's TP group never spans nodes): node n holds ranks [n * ranks_per_node, (n + 1) *
+ranks_per_node), and the local index restarts at 0 on each node.
+
+Runs on every rank (and in each node's launcher), before the process group is initialised; no
+collectives.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
+logger = logging.getLogger(__name__)
+
 SYSFS_NODE_ROOT = "/sys/devices/system/node"
+SYSFS_NODE_ROOT_ENV = "DELTASERVE_SYSFS_NODE_ROOT"  # another sysfs node root (tests, containers)
 
 
 def local_device_index(
@@ -41,6 +50,56 @@ def local_device_index(
             f"(now {tp_size}) so that stages_per_node x tensor_parallel_size <= {gpus_on_node}"
         )
     return index
+
+
+def ranks_per_node(world_size: int, nnodes: int) -> int:
+    """How many global ranks each node runs (the config checks that nnodes divides the world)."""
+    return world_size // nnodes
+
+
+def node_of_rank(rank: int, world_size: int, nnodes: int) -> int:
+    """The node that runs global `rank`."""
+    return rank // ranks_per_node(world_size, nnodes)
+
+
+def ranks_of_node(node_rank: int, world_size: int, nnodes: int) -> range:
+    """The global ranks node `node_rank` runs."""
+    per_node = ranks_per_node(world_size, nnodes)
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def rank_local_index(rank: int, tp_size: int, pp_size: int, nnodes: int = 1, gpus_on_node: int | None = None,
+                     ) -> int:
+    """`local_device_index` of global `rank` (TP-innermost) when `nnodes` nodes share the world."""
+    stages_per_node = ranks_per_node(tp_size * pp_size, nnodes) // tp_size
+    return local_device_index(rank // tp_size, rank % tp_size, tp_size, stages_per_node, gpus_on_node)
+
+
+def node_rank_devices(device: str | None, tp_size: int, pp_size: int, nnodes: int = 1, node_rank: int = 0,
+                      backend: str | None = None) -> tuple[str, dict[int, str]]:
+    """(backend, device of each global rank this node runs): gloo on the CPU; on CUDA NCCL with GPU
+    `rank_local_index` per rank, or, with fewer GPUs on the node than ranks, gloo with every rank on
+    GPU 0 (tensors staged through host memory, for tests only). `backend` is the head's choice,
+    which a worker node must follow (NCCL refused there if this node has too few GPUs).
+
+    Runs in each node's launcher (the head's executor, or `deltaserve ... --node-rank N`).
+    """
+    import torch
+
+    kind = (device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0]
+    ranks = ranks_of_node(node_rank, tp_size * pp_size, nnodes)
+    if kind == "cpu":
+        return "gloo", {r: "cpu" for r in ranks}
+    if kind != "cuda":
+        raise ValueError(f"device={device!r}: the multi-process executor runs on 'cpu' or 'cuda'")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available on node {node_rank}")
+    if count < len(ranks) and backend != "nccl":
+        logger.warning("%d ranks share %d GPU(s): NCCL refuses that, so they run gloo with tensors staged "
+                       "through host memory (correct, slow: for tests only)", len(ranks), count)
+        return "gloo", {r: "cuda:0" for r in ranks}
+    return backend or "nccl", {r: f"cuda:{rank_local_index(r, tp_size, pp_size, nnodes, count)}" for r in ranks}
 
 
 def parse_numa_bind(text: str) -> list[int]:
@@ -85,11 +144,13 @@ def cpus_of_numa_node(node: int, sysfs_root: str = SYSFS_NODE_ROOT) -> set[int]:
         raise ValueError(f"NUMA node {node} does not exist ({path} is missing); check numa_bind") from None
 
 
-def apply_numa_binding(local_index: int, numa_nodes: list[int], sysfs_root: str = SYSFS_NODE_ROOT) -> set[int]:
+def apply_numa_binding(local_index: int, numa_nodes: list[int], sysfs_root: str | None = None) -> set[int]:
     """Pin this process to the CPUs of the NUMA node of local GPU `local_index`; returns those CPUs.
 
-    `local_index` must be the same index that chose the device (`local_device_index`).
+    `local_index` must be the same index that chose the device (`local_device_index`). `sysfs_root`:
+    None reads $DELTASERVE_SYSFS_NODE_ROOT, else /sys/devices/system/node.
     """
+    sysfs_root = sysfs_root or os.environ.get(SYSFS_NODE_ROOT_ENV) or SYSFS_NODE_ROOT
     if not 0 <= local_index < len(numa_nodes):
         raise ValueError(
             f"local GPU {local_index} has no entry in numa_bind ({len(numa_nodes)} entries); give one NUMA node "

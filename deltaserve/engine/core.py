@@ -126,12 +126,13 @@ class EngineCore:
         self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
         self._max_batches_in_flight = 0
         logger.info(
-            "deltaserve engine: model=%s dtype=%s device=%s executor=%s tp=%d pp=%d kv_blocks=%d (block_size %d) "
-            "state_slots=%d checkpoint_units=%d x %d bytes prefix_caching=%s async_scheduling=%s "
-            "batches_in_flight=%d",
+            "deltaserve engine: model=%s dtype=%s device=%s executor=%s tp=%d pp=%d dcp=%d kv_blocks=%d "
+            "(block_size %d, %d tokens of context) state_slots=%d checkpoint_units=%d x %d bytes prefix_caching=%s "
+            "async_scheduling=%s batches_in_flight=%d",
             model_dir, self.executor.dtype_name, self.executor.device_name, config.executor_backend,
-            config.tensor_parallel_size, config.pipeline_parallel_size,
-            self.cache_plan.num_blocks, config.block_size, self.cache_plan.num_state_slots,
+            config.tensor_parallel_size, config.pipeline_parallel_size, config.decode_context_parallel_size,
+            self.cache_plan.num_blocks, config.scheduler_block_size,
+            self.cache_plan.num_blocks * config.scheduler_block_size, self.cache_plan.num_state_slots,
             self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, config.enable_prefix_caching,
             self.async_scheduling, self.batch_queue_size,
         )
@@ -369,6 +370,7 @@ class EngineCore:
                 "batch_queue_size": self.batch_queue_size,
                 "batches_in_flight": sum(not so.is_empty for so, _ in self._batch_queue),
                 "max_batches_in_flight": self._max_batches_in_flight,
+                **self.executor.metrics(),  # the mp executor: each stage's busy seconds and steps
             },
         }
         pc = self.prefix_cache

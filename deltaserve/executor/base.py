@@ -12,6 +12,7 @@ joint checkpoint spec back to every rank.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
@@ -63,6 +64,10 @@ class Executor(ABC):
     def cache_specs(self) -> tuple[MLALatentSpec, KDAStateSpec]:
         """The cache layout of the first stage (all of the model at one stage)."""
         return self.stage_cache_specs()[0]
+
+    def metrics(self) -> dict[str, Any]:
+        """Executor numbers for `EngineCore.get_metrics()["executor"]` (plain data; none by default)."""
+        return {}
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass

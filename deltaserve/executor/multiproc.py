@@ -1,17 +1,25 @@
-"""The multi-process executor ("mp"): one process per rank of the tensor x pipeline grid.
+"""The multi-process executor ("mp"): one process per rank of the tensor x pipeline grid, on one or
+several nodes.
 
-Runs in the engine's process. It spawns world_size = tensor_parallel_size x pipeline_parallel_size
-rank processes (`executor/rank_process.py`), each joining one torch.distributed world: gloo on the CPU,
-NCCL on CUDA with one GPU per rank (picked by `placement.local_device_index`); ranks that must share a
-GPU run gloo with their tensors staged through host memory (for correctness only). Global ranks are
-TP-innermost: rank = pp_rank x tp_size + tp_rank.
+Runs in the engine's process (the head node, node_rank 0). World_size = tensor_parallel_size x
+pipeline_parallel_size ranks (`executor/rank_process.py`) join one torch.distributed world: gloo on
+the CPU, NCCL on CUDA with one GPU per rank (picked by `placement.rank_local_index`, which also picks
+the rank's `numa_bind` entry); ranks that must share a GPU run gloo with their tensors staged through
+host memory (for correctness only). Global ranks are TP-innermost: rank = pp_rank x tp_size + tp_rank.
+With nnodes > 1 each node runs world_size / nnodes consecutive ranks: the head spawns its own, and
+every other node's launcher (`executor/worker_node.py`) spawns that node's.
 
-Each step's SchedulerOutput is pickled once and written to every rank's pipe; every rank runs it, and
-only the output rank (last stage, TP rank 0) answers with the ModelRunnerOutput. `execute_model` with
-non_block returns at once: several steps may be in flight through the pipeline, and their outputs are
-resolved in order. A rank that dies (or raises) is noticed while the engine waits (its process
-sentinel, or its error message) and the executor raises `RankFailedError` naming the rank, its stage,
-its TP rank and its exit code; it never waits on a dead rank.
+The engine talks to every rank over ZeroMQ (`executor/transport.py`): each step's SchedulerOutput is
+pickled once and published to every rank; every rank runs it, and only the output rank (last stage,
+TP rank 0) answers with the ModelRunnerOutput (and its busy time; TP rank 0 of each other stage sends
+its own after each step). `execute_model` with non_block returns at once: several steps may be in
+flight through the pipeline, and their outputs are resolved in order.
+
+Failures are noticed while the engine waits and raised as `RankFailedError` naming the rank (and its
+node), never waited on: a local rank's death by its process sentinel, a rank's exception by its
+error message, a worker node's rank death or the node's silence by the node monitor
+(`executor/node_monitor.py`). A rank's error waits ROOT_CAUSE_GRACE_S for a death elsewhere, so the
+message names the rank that died rather than the peer whose collective broke.
 """
 
 from __future__ import annotations
@@ -19,12 +27,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
-import signal
-import socket
-from collections import deque
-from multiprocessing.connection import Connection, wait
+import time
 from typing import Any
+
+import zmq
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
@@ -32,58 +38,38 @@ from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.core.stage_specs import JointCheckpointSpec, check_agreement, check_stages_have_kda
-from deltaserve.distributed.placement import local_device_index
+from deltaserve.distributed.placement import node_of_rank, node_rank_devices, rank_local_index, ranks_of_node
 from deltaserve.executor.base import Executor, register_executor
+from deltaserve.executor.node_monitor import PROBE_S, NodeLaunch, NodeMonitor
 from deltaserve.executor.rank_process import RankLaunch, RankReady, rank_main
+from deltaserve.executor.transport import EndpointPlan, EngineChannels
+from deltaserve.executor.worker_node import describe_exit
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a wait re-checks that it still has work to wait for
+SYNC_INTERVAL_S = 0.1  # how often "sync" is republished until every rank has answered
 SHUTDOWN_GRACE_S = 10.0
+DEATH_DRAIN_S = 0.3  # after a rank's death, how long its last message (a traceback) may take to arrive
+ROOT_CAUSE_GRACE_S = 0.5  # after a rank's error, how long to look for a death elsewhere (+ PROBE_S multi-node)
 
 
 class RankFailedError(RuntimeError):
     """A rank process died or raised; the engine cannot go on without it."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_devices(device: str | None, tp: int, pp: int) -> tuple[str, list[str]]:
-    """(backend, device of each global rank): gloo on the CPU; on CUDA NCCL with GPU
-    `local_device_index(pp_rank, tp_rank, tp)` per rank, or, with fewer GPUs than ranks, gloo with
-    every rank on GPU 0 (tensors staged through host memory, for tests only)."""
-    import torch
-
-    kind = (device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0]
-    world = tp * pp
-    if kind == "cpu":
-        return "gloo", ["cpu"] * world
-    if kind != "cuda":
-        raise ValueError(f"device={device!r}: the multi-process executor runs on 'cpu' or 'cuda'")
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise ValueError(f"device={device!r} was asked for but CUDA is not available")
-    if count < world:
-        logger.warning("%d ranks share %d GPU(s): NCCL refuses that, so they run gloo with tensors staged "
-                       "through host memory (correct, slow: for tests only)", world, count)
-        return "gloo", ["cuda:0"] * world
-    return "nccl", [f"cuda:{local_device_index(r // tp, r % tp, tp, gpus_on_node=count)}" for r in range(world)]
-
-
 class _Rank:
-    """The engine's handle on one rank process: its pipes and its place in the grid."""
+    """The engine's handle on one rank: its place in the grid, its node, and (on the head) its process."""
 
-    def __init__(self, process: Any, to_rank: Connection, from_rank: Connection, rank: int, tp: int) -> None:
-        self.process, self.to_rank, self.from_rank = process, to_rank, from_rank
+    def __init__(self, rank: int, tp: int, node_rank: int, nnodes: int, process: Any = None) -> None:
         self.rank, self.pp_rank, self.tp_rank = rank, rank // tp, rank % tp
+        self.node_rank, self.nnodes, self.process = node_rank, nnodes, process
+        self.pid: int | None = process.pid if process is not None else None
 
     def describe(self) -> str:
-        return f"rank {self.rank} (pp_rank {self.pp_rank}, tp_rank {self.tp_rank}, pid {self.process.pid})"
+        node = f", node {self.node_rank}" if self.nnodes > 1 else ""
+        return f"rank {self.rank} (pp_rank {self.pp_rank}, tp_rank {self.tp_rank}{node}, pid {self.pid or '?'})"
 
 
 @register_executor("mp")
@@ -93,32 +79,50 @@ class MultiprocExecutor(Executor):
         if model is not None:
             raise ValueError("a model built in this process cannot be shared with rank processes: give "
                              "tensor_parallel_size=pipeline_parallel_size=1, or a model path")
-        parallel = engine_config.parallel
-        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        self.tp, self.pp, self.world_size = tp, pp, tp * pp
+        if engine_config.node_rank != 0:
+            raise ValueError(f"node_rank={engine_config.node_rank}: only the head (node_rank 0) runs the engine; "
+                             "a worker node runs `deltaserve serve ... --node-rank N` (executor/worker_node.py)")
+        tp, pp, nnodes = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size, engine_config.nnodes
+        self.tp, self.pp, self.nnodes, self.world_size = tp, pp, nnodes, tp * pp
         self.layouts = check_stages_have_kda(model_config, pp)  # refused before anything starts
-        backend, devices = rank_devices(engine_config.device, tp, pp)
-        self._ranks: list[_Rank] = []
+        backend, devices = node_rank_devices(engine_config.device, tp, pp, nnodes, 0)
+        self.backend, self.numa_bind = backend, engine_config.numa_bind
+        self._ranks = [_Rank(r, tp, node_of_rank(r, self.world_size, nnodes), nnodes) for r in range(self.world_size)]
         self._outputs: dict[int, ModelRunnerOutput] = {}
-        self._queued: deque[int] = deque()  # step ids sent, not yet answered
+        self._replies: dict[str, dict[int, Any]] = {}  # kind -> rank -> payload, for _gather
+        self._stage_busy = [(0.0, 0)] * pp  # (busy seconds, steps) of each stage's reporting rank
+        self._sync_token, self._synced = 0, set()
         self._failed: str | None = None
         self._closed = False
-        ctx = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        self._monitor: NodeMonitor | None = None
+        port = engine_config.master_port
+        endpoints = (EndpointPlan.from_master(engine_config.master_addr or "127.0.0.1", port) if port is not None
+                     else EndpointPlan.local())
+        self.channels = EngineChannels(endpoints)
+        self._poller = zmq.Poller()
         try:
-            for rank in range(self.world_size):
-                launch = RankLaunch(rank, tp, pp, init_method, backend, devices[rank], threads, engine_config,
+            if nnodes > 1:
+                launch = NodeLaunch(engine_config, model_config, model_dir, backend)
+                self._monitor = NodeMonitor(endpoints, launch, tp, pp, nnodes)
+            local = ranks_of_node(0, self.world_size, nnodes)
+            ctx = multiprocessing.get_context("spawn")
+            threads = max(1, (os.cpu_count() or 1) // len(local))
+            for rank in local:
+                launch = RankLaunch(rank, tp, pp, endpoints, backend, devices[rank],
+                                    rank_local_index(rank, tp, pp, nnodes), threads, os.getpid(), 0, engine_config,
                                     model_config, model_dir)
-                rank_reads, engine_writes = ctx.Pipe(duplex=False)
-                engine_reads, rank_writes = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=rank_main, args=(launch, rank_reads, rank_writes),
-                                   name=f"deltaserve-rank-{rank}", daemon=True)
+                proc = ctx.Process(target=rank_main, args=(launch,), name=f"deltaserve-rank-{rank}", daemon=True)
                 proc.start()
-                rank_reads.close()
-                rank_writes.close()
-                self._ranks.append(_Rank(proc, engine_writes, engine_reads, rank, tp))
+                self._ranks[rank].process, self._ranks[rank].pid = proc, proc.pid
+                self._poller.register(proc.sentinel, zmq.POLLIN)
+            self._poller.register(self.channels.replies, zmq.POLLIN)
+            if nnodes > 1:
+                logger.info("multi-process executor: waiting for %d worker node(s) at %s", nnodes - 1,
+                            endpoints.nodes)
             self.ready: list[RankReady] = self._gather("ready")
+            for r in self.ready:
+                self._ranks[r.rank].pid = r.pid
+            self._sync()
         except RankFailedError as e:
             raise RankFailedError(
                 f"{e}; while starting (ranks are spawned: a script that builds the engine with several ranks "
@@ -126,15 +130,33 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._log_grid(backend)
+        self._log_grid()
 
     # Setup -----------------------------------------------------------------------------------
-    def _log_grid(self, backend: str) -> None:
+    def _log_grid(self) -> None:
         stages = "; ".join(
             f"stage {s.pp_rank}: layers [{s.start}, {s.end}) ({s.num_kda_layers} KDA, {s.num_mla_layers} MLA)"
             for s in self.layouts)
-        logger.info("multi-process executor: tensor_parallel_size=%d x pipeline_parallel_size=%d (%s, devices %s); %s",
-                    self.tp, self.pp, backend, ", ".join(r.device for r in self.ready), stages)
+        nodes = []
+        for node in range(self.nnodes):
+            members = [r for r in self.ready if r.node_rank == node]
+            placed = ", ".join(f"rank {r.rank} on {r.device}" + (f" cpus {_cpulist(r.cpu_affinity)}" if self.numa_bind
+                                                                  else "") for r in members)
+            nodes.append(f"node {node} ({members[0].host}): {placed}")
+        logger.info("multi-process executor: tensor_parallel_size=%d x pipeline_parallel_size=%d over %d node(s) (%s, "
+                    "devices %s); %s; %s", self.tp, self.pp, self.nnodes, self.backend,
+                    ", ".join(r.device for r in self.ready), stages, "; ".join(nodes))
+
+    def _sync(self) -> None:
+        """Publish "sync" until every rank has answered one: from then on no rank misses a command
+        (a PUB drops what it sends before a subscriber's subscription has arrived)."""
+        self._sync_token += 1
+        self._synced = set()
+        while len(self._synced) < self.world_size:
+            self.channels.broadcast(("sync", self._sync_token))
+            deadline = time.monotonic() + SYNC_INTERVAL_S
+            while len(self._synced) < self.world_size and (left := deadline - time.monotonic()) > 0:
+                self._pump(left)
 
     def _stage_ready(self) -> list[list[RankReady]]:
         return [self.ready[p * self.tp:(p + 1) * self.tp] for p in range(self.pp)]
@@ -176,81 +198,114 @@ class MultiprocExecutor(Executor):
         return self.ready[0].dtype
 
     def rank_pids(self) -> list[int]:
-        """The process id of each global rank (for tests and operators)."""
-        return [r.process.pid for r in self._ranks]
+        """The process id of each global rank, on whichever node it runs (for tests and operators)."""
+        return [r.pid for r in self._ranks]
+
+    def metrics(self) -> dict[str, Any]:
+        """Each stage's busy seconds (inside `worker.execute_model`) and steps run, as last reported."""
+        if self._failed is None and not self._closed:
+            while self._pump(0.0):  # what the ranks have sent since the last wait
+                pass
+        return {"nnodes": self.nnodes, "stage_busy_seconds": [b for b, _ in self._stage_busy],
+                "stage_steps": [n for _, n in self._stage_busy]}
 
     # Steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         step_id = scheduler_output.step_id
         self._broadcast(("step", scheduler_output))
-        self._queued.append(step_id)
         handle = AsyncModelRunnerOutput(lambda: self._wait_output(step_id))
         return handle if non_block else handle.get_output()
 
     def _broadcast(self, message: tuple) -> None:
-        """Send `message` to every rank (pickled once), in rank order."""
+        """Send `message` to every rank (pickled once)."""
         self._check_usable()
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank in self._ranks:
-            try:
-                rank.to_rank.send_bytes(data)
-            except OSError:
-                self._fail(self._death_of(rank))
+        self.channels.broadcast(message)
 
     def _wait_output(self, step_id: int) -> ModelRunnerOutput:
-        output_rank = self._ranks[-self.tp]
         while step_id not in self._outputs:
-            _, message = self._receive({output_rank.rank})
-            if message[0] != "output":
-                self._fail(f"{output_rank.describe()} sent {message[0]!r} while the engine waited for a step")
-            self._outputs[message[1]] = message[2]
-        if self._queued and self._queued[0] == step_id:
-            self._queued.popleft()
+            self._pump(POLL_S)
         return self._outputs.pop(step_id)
 
     def _gather(self, kind: str) -> list[Any]:
         """One `kind` reply from every rank (in any order); returns their payloads by global rank."""
-        replies: dict[int, Any] = {}
+        replies = self._replies.setdefault(kind, {})
         while len(replies) < self.world_size:
-            rank, message = self._receive(set(range(self.world_size)) - set(replies))
-            if message[0] != kind:
-                self._fail(f"{rank.describe()} sent {message[0]!r}, expected {kind!r}")
-            replies[rank.rank] = message[1]
+            self._pump(POLL_S)
+        del self._replies[kind]
         return [replies[r] for r in range(self.world_size)]
 
-    def _receive(self, wanted: set[int]) -> tuple[_Rank, tuple]:
-        """(rank, its next message) from one of the ranks in `wanted`. Meanwhile any rank's error
-        message or death fails the executor (RankFailedError naming it): nothing waits on a dead rank."""
+    def _pump(self, timeout_s: float) -> bool:
+        """Handle the next reply, waiting up to `timeout_s` for one; a local rank's death meanwhile
+        fails the executor (RankFailedError naming it). Returns whether a reply was handled."""
         self._check_usable()
-        by_conn = {r.from_rank: r for r in self._ranks}
-        by_sentinel = {r.process.sentinel: r for r in self._ranks}
-        while True:
-            ready = wait(list(by_conn) + list(by_sentinel), timeout=POLL_S)
-            for obj in sorted(ready, key=lambda o: o not in by_conn):  # messages first: an error's traceback
-                if obj in by_conn:
-                    rank = by_conn[obj]
-                    try:
-                        message = obj.recv()
-                    except (EOFError, OSError):
-                        self._fail(self._death_of(rank))
-                    if message[0] == "error":
-                        self._fail(f"{rank.describe()} failed:\n{message[1]}")
-                    if rank.rank in wanted:
-                        return rank, message
-                    self._fail(f"{rank.describe()} sent an unexpected {message[0]!r}")
-                else:
-                    self._fail(self._death_of(by_sentinel[obj]))
+        reply = self.channels.receive()
+        if reply is None:
+            events = dict(self._poller.poll(int(timeout_s * 1000)))
+            reply = self.channels.receive()
+            if reply is None:
+                for rank in self._ranks:
+                    if rank.process is not None and rank.process.sentinel in events:
+                        self._fail_death(rank)
+                return False
+        self._dispatch(*reply)
+        return True
 
-    def _death_of(self, rank: _Rank) -> str:
+    def _dispatch(self, sender: int, kind: str, payload: tuple) -> None:
+        if kind == "error":
+            self._fail_error(self._ranks[sender], payload[0])
+        elif kind == "failed":  # from the node monitor
+            self._fail(payload[0])
+        elif kind == "output":
+            step_id, output, busy_s, steps = payload
+            self._outputs[step_id] = output
+            self._stage_busy[self.pp - 1] = (busy_s, steps)
+        elif kind == "busy":
+            self._stage_busy[sender // self.tp] = payload
+        elif kind == "synced":
+            if payload[0] == self._sync_token:
+                self._synced.add(sender)
+        elif kind in self._replies:
+            self._replies[kind][sender] = payload[0]
+        else:
+            self._fail(f"{self._ranks[sender].describe()} sent an unexpected {kind!r}")
+
+    # Failures --------------------------------------------------------------------------------
+    def _fail_death(self, rank: _Rank) -> None:
+        """A local rank died: its traceback if it sent one, else how it ended."""
+        reason = f"{rank.describe()} died: {self._exit_of(rank)}"
+        deadline = time.monotonic() + DEATH_DRAIN_S
+        while (left := deadline - time.monotonic()) > 0:
+            reply = self.channels.receive()
+            if reply is None:
+                self.channels.replies.poll(int(left * 1000))
+                continue
+            sender, kind, payload = reply
+            if sender == rank.rank and kind == "error":
+                reason += f":\n{payload[0]}"
+                break
+        self._fail(reason)
+
+    def _fail_error(self, rank: _Rank, text: str) -> None:
+        """A rank raised. If another rank died (or a worker node was lost), that is the cause: a
+        collective with a dead peer breaks on every rank; wait briefly for it to show."""
+        grace = ROOT_CAUSE_GRACE_S + (PROBE_S + 1.0 if self.nnodes > 1 else 0.0)
+        deadline = time.monotonic() + grace
+        while (left := deadline - time.monotonic()) > 0:
+            events = dict(self._poller.poll(int(left * 1000)))
+            for other in self._ranks:
+                if other is not rank and other.process is not None and other.process.sentinel in events:
+                    self._fail(f"{other.describe()} died: {self._exit_of(other)}; then {rank.describe()} failed: "
+                               f"{_last_line(text)}")
+            while (reply := self.channels.receive()) is not None:
+                if reply[1] == "failed":
+                    self._fail(f"{reply[2][0]}; then {rank.describe()} failed: {_last_line(text)}")
+        self._fail(f"{rank.describe()} failed:\n{text}")
+
+    @staticmethod
+    def _exit_of(rank: _Rank) -> str:
         rank.process.join(timeout=1.0)
-        code = rank.process.exitcode
-        how = f"exit code {code}"
-        if code is not None and code < 0:
-            how += f" (killed by {signal.Signals(-code).name})"
-        elif code is None:
-            how = "its pipe closed while it still runs"
-        return f"{rank.describe()} died: {how}"
+        return describe_exit(rank.process.exitcode)
 
     def _fail(self, reason: str) -> None:
         self._failed = reason
@@ -265,29 +320,44 @@ class MultiprocExecutor(Executor):
 
     # Shutdown --------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop every rank: ask, wait up to SHUTDOWN_GRACE_S, then kill what is left. Idempotent."""
+        """Stop every rank: ask, wait up to SHUTDOWN_GRACE_S, then kill what is left of the head's;
+        worker nodes are told to stop theirs (and abort them after a failure). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        data = pickle.dumps(("shutdown",))
-        for rank in self._ranks:
-            try:
-                if self._failed is None and rank.process.is_alive():
-                    rank.to_rank.send_bytes(data)
-            except OSError:
-                pass
+        if self._failed is None:
+            self.channels.broadcast(("shutdown",))
         grace = SHUTDOWN_GRACE_S if self._failed is None else 0.0  # peers of a dead rank may hang
-        for rank in self._ranks:
-            rank.process.join(timeout=grace)
-        for rank in self._ranks:
-            if rank.process.is_alive():
-                rank.process.kill()
-                rank.process.join(timeout=5.0)
-            rank.to_rank.close()
-            rank.from_rank.close()
+        local = [r.process for r in self._ranks if r.process is not None]
+        deadline = time.monotonic() + grace
+        for proc in local:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in local:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        if self._monitor is not None:
+            self._monitor.stop(abort_reason=self._failed)
+        self.channels.close(linger_ms=1000 if self._failed is None else 0)
 
     def __del__(self) -> None:
         try:
             self.shutdown()
         except Exception:
             pass
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def _cpulist(cpus: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5" (sorted CPUs)."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)

@@ -1,16 +1,23 @@
 """One rank of the multi-process executor: the process entry point and the messages it exchanges.
 
-Runs in each rank process (global rank r of a tensor x pipeline grid). It joins the world
-(`init_distributed`), loads its stage and shard, reports `RankReady`, then runs what the engine sends,
-in order: the cache plan once, then every step. Every rank runs every step (so every collective and
-every stage-to-stage send is matched); only the output rank (the last stage's TP rank 0) sends the
-step's `ModelRunnerOutput` back. An exception is sent back as text before the process exits.
+Runs in each rank process (global rank r of a tensor x pipeline grid), spawned by the launcher of its
+node: the head's executor (`executor/multiproc.py`) or a worker node's (`executor/worker_node.py`).
+At start it binds its CPUs (`numa_bind`, by the same node-local index that chose its GPU), joins the
+world (`init_distributed`), loads its stage and shard, reports `RankReady`, then runs what the engine
+sends, in order: the cache plan once, then every step. Every rank runs every step (so every
+collective and every stage-to-stage send is matched); only the output rank (the last stage's TP rank
+0) sends the step's `ModelRunnerOutput` back. An exception is sent back as text before the process
+exits.
 
-Messages from the engine are pickled once and sent as bytes to every rank over one pipe per rank; a
-reader thread drains that pipe into a queue, so the engine never blocks on a rank that is busy in a
-collective. Engine -> rank: ("init_cache", plan, stage state specs), ("step", SchedulerOutput),
-("shutdown",). Rank -> engine: ("ready", RankReady), ("cache_ready", JointCheckpointSpec | None),
-("output", step_id, ModelRunnerOutput), ("error", traceback text).
+Messages travel over ZeroMQ (`executor/transport.py`): the engine's are pickled once and published
+to every rank; a reader thread drains them into a queue, so the engine never blocks on a rank that is
+busy in a collective, and leaves if this process's parent (its node's launcher) is gone.
+Engine -> rank: ("sync", n), ("init_cache", plan, stage state specs), ("step", SchedulerOutput),
+("shutdown",). Rank -> engine, each tagged with the rank: ("synced", n), ("ready", RankReady),
+("cache_ready", JointCheckpointSpec | None), ("output", step_id, ModelRunnerOutput, busy_s, steps)
+from the output rank, ("busy", busy_s, steps) after each step from TP rank 0 of every other stage
+(busy_s: seconds spent inside `worker.execute_model`, steps: steps run, both since start), and
+("error", traceback text).
 """
 
 from __future__ import annotations
@@ -19,21 +26,25 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
+
+import zmq
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.stage_specs import JointCheckpointSpec, joint_checkpoint_spec
+from deltaserve.executor.transport import EndpointPlan, RankChannels
 
 SHUTDOWN = ("shutdown",)
-ORPHAN_GRACE_S = 30.0  # after the engine's pipe closes, how long a rank may take to leave cleanly
+ORPHAN_GRACE_S = 30.0  # after its launcher is gone, how long a rank may take to leave cleanly
+INBOX_POLL_MS = 500  # how often the inbox thread checks that its launcher is still there
 
 
 @dataclass(frozen=True)
@@ -43,10 +54,13 @@ class RankLaunch:
     rank: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    init_method: str  # torch.distributed rendezvous, e.g. "tcp://127.0.0.1:29500"
+    endpoints: EndpointPlan  # torch.distributed rendezvous and the engine's channels
     backend: str  # "gloo" or "nccl"
-    device: str  # "cpu" or "cuda:N", from placement.local_device_index
+    device: str  # "cpu" or "cuda:N", from placement.rank_local_index
+    local_index: int  # placement.rank_local_index: picks the GPU and the numa_bind entry
     num_threads: int  # torch CPU threads of this rank
+    parent_pid: int  # the node launcher that spawned it: when it is gone, the rank leaves
+    node_rank: int
     engine_config: EngineConfig
     model_config: KimiLinearConfig
     model_dir: str
@@ -70,16 +84,23 @@ class RankReady:
     cache_bytes: int
     device: str
     dtype: str
+    node_rank: int = 0
+    host: str = ""
+    local_index: int = 0
+    cpu_affinity: tuple[int, ...] = ()  # the CPUs it may run on, after numa_bind
 
 
-def _read_inbox(conn: Connection, inbox: queue.Queue) -> None:
-    """Reader thread: every message from the engine into `inbox`, in order. When the engine's end
-    closes (a normal shutdown, or the engine died) the rank is told to shut down, and leaves by force
-    if it has not after ORPHAN_GRACE_S (it may be stuck in a collective with a dead peer)."""
+def _read_inbox(channels: RankChannels, inbox: queue.Queue, parent_pid: int) -> None:
+    """Reader thread: every message from the engine into `inbox`, in order. When the launcher that
+    spawned this rank is gone (the engine died, or a worker node's launcher did) the rank is told to
+    shut down, and leaves by force if it has not after ORPHAN_GRACE_S (it may be stuck in a
+    collective with a dead peer)."""
+    sub = channels.subscribe()
     try:
-        while True:
-            inbox.put(pickle.loads(conn.recv_bytes()))
-    except (EOFError, OSError):
+        while os.getppid() == parent_pid:
+            if sub.poll(INBOX_POLL_MS):
+                inbox.put(pickle.loads(sub.recv()))
+    except zmq.ZMQError:
         pass
     inbox.put(SHUTDOWN)
     time.sleep(ORPHAN_GRACE_S)
@@ -99,7 +120,17 @@ def _check_checkpoint_spec(ready: RankReady, stage_specs: list[KDAStateSpec], un
     return joint_checkpoint_spec(list(stage_specs), unit_bytes)
 
 
-def rank_main(launch: RankLaunch, from_engine: Connection, to_engine: Connection) -> None:
+def _bind_cpus(launch: RankLaunch) -> None:
+    """numa_bind: pin this process to the NUMA node of its local GPU index (the index that chose its
+    device, so binding and placement cannot drift); on the CPU the index is used the same way."""
+    numa_bind = launch.engine_config.numa_bind
+    if numa_bind:
+        from deltaserve.distributed.placement import apply_numa_binding, parse_numa_bind
+
+        apply_numa_binding(launch.local_index, parse_numa_bind(numa_bind))
+
+
+def rank_main(launch: RankLaunch) -> None:
     """Process entry point of global rank `launch.rank` (see the module docstring)."""
     import torch
 
@@ -108,50 +139,68 @@ def rank_main(launch: RankLaunch, from_engine: Connection, to_engine: Connection
     from deltaserve.worker.worker import Worker
 
     # Ctrl-C reaches the whole process group: the engine decides when ranks stop (shutdown, or its
-    # pipe closing), so a rank never dies of it mid-collective
+    # launcher going away), so a rank never dies of it mid-collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    channels = RankChannels(launch.endpoints, launch.rank)
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_inbox, args=(from_engine, inbox), name="rank-inbox", daemon=True).start()
+    threading.Thread(target=_read_inbox, args=(channels, inbox, launch.parent_pid), name="rank-inbox",
+                     daemon=True).start()
     try:
-        torch.set_num_threads(launch.num_threads)
+        _bind_cpus(launch)
+        affinity = tuple(sorted(os.sched_getaffinity(0)))
+        torch.set_num_threads(max(1, min(launch.num_threads, len(affinity))))
         device = torch.device(launch.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if launch.init_method.startswith("tcp://127.0.0.1"):
+        init_method = launch.endpoints.rendezvous
+        if init_method.startswith("tcp://127.0.0.1"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        parallel = parallel_config_for_rank(launch.tensor_parallel_size, launch.pipeline_parallel_size, launch.rank)
+        dcp = launch.engine_config.decode_context_parallel_size
+        parallel = parallel_config_for_rank(launch.tensor_parallel_size, launch.pipeline_parallel_size, launch.rank,
+                                            decode_context_parallel_size=dcp)
         if launch.world_size > 1:
             init_distributed(launch.tensor_parallel_size, launch.pipeline_parallel_size, launch.rank,
-                             launch.world_size, launch.init_method, backend=launch.backend)
+                             launch.world_size, init_method, backend=launch.backend,
+                             decode_context_parallel_size=dcp)
         worker = Worker(launch.engine_config, launch.model_config, launch.model_dir, parallel=parallel, device=device)
         worker.load_model()
         kv_spec, state_spec = worker.cache_specs()
         ready = RankReady(launch.rank, parallel.pipeline_parallel_rank, parallel.tensor_parallel_rank, os.getpid(),
                           parallel.stage_layer_range(launch.model_config.num_hidden_layers), kv_spec, state_spec,
                           worker.available_cache_bytes(), str(worker.device),
-                          str(worker.dtype).removeprefix("torch."))
-        to_engine.send(("ready", ready))
+                          str(worker.dtype).removeprefix("torch."), launch.node_rank, socket.gethostname(),
+                          launch.local_index, affinity)
+        channels.send("ready", ready)
         is_output_rank = parallel.is_last_stage and parallel.tensor_parallel_rank == 0
-        _serve(worker, ready, inbox, to_engine, is_output_rank)
+        _serve(worker, ready, inbox, channels, is_output_rank)
     except BaseException:
         try:
-            to_engine.send(("error", traceback.format_exc()))
-        except OSError:
+            channels.send("error", traceback.format_exc())
+        except zmq.ZMQError:
             pass
         raise SystemExit(1) from None
     finally:
         destroy_distributed()
+        channels.close()
 
 
-def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, to_engine: Connection, is_output_rank: bool) -> None:
+def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, channels: RankChannels, is_output_rank: bool) -> None:
     """The rank's loop: run every message from the engine in order until told to shut down."""
+    busy_s, steps = 0.0, 0  # inside worker.execute_model, and how many, since start
     while (message := inbox.get())[0] != "shutdown":
         kind = message[0]
         if kind == "step":
             scheduler_output = message[1]
+            started = time.perf_counter()
             output = worker.execute_model(scheduler_output)
-            if is_output_rank:
-                to_engine.send(("output", scheduler_output.step_id, output))
+            busy_s += time.perf_counter() - started
+            steps += 1
+            if is_output_rank:  # its counters ride on the output: nothing else to wait for
+                channels.send("output", scheduler_output.step_id, output, busy_s, steps)
+            elif ready.tp_rank == 0:
+                channels.send("busy", busy_s, steps)
+        elif kind == "sync":
+            channels.send("synced", message[1])
         elif kind == "init_cache":
             plan: CachePlan = message[1]
             stage_specs: list[KDAStateSpec] = message[2]
@@ -159,6 +208,6 @@ def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, to_engine: Connect
             joint = None
             if plan.num_checkpoint_units:
                 joint = _check_checkpoint_spec(ready, stage_specs, plan.checkpoint_unit_bytes)
-            to_engine.send(("cache_ready", joint))
+            channels.send("cache_ready", joint)
         else:
             raise ValueError(f"rank {ready.rank}: unknown message {kind!r} from the engine")
