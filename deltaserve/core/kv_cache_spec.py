@@ -10,20 +10,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MLALatentSpec:
-    """Paged MLA cache: per token per layer the normalised latent plus the shared k_pe."""
+    """Paged MLA cache: per token per layer the normalised latent plus the shared k_pe.
+
+    block_size is the scheduler's block, in tokens. Under decode context parallelism a block's tokens
+    are striped over the dcp_size ranks of a DCP group, so one rank stores block_size / dcp_size of
+    them: bytes_per_block, the bytes of one rank, shrinks and the same memory holds dcp_size times
+    the context.
+    """
 
     block_size: int
     num_layers: int
     latent_dim: int  # kv_lora_rank + qk_rope_head_dim
     dtype_bytes: int
+    dcp_size: int = 1
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes of one token's latents over all its layers (on the one rank that stores it)."""
         return self.num_layers * self.latent_dim * self.dtype_bytes
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        """Bytes one scheduler block takes on each rank."""
+        return self.block_size // self.dcp_size * self.bytes_per_token
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -5,7 +5,13 @@
 nothing is initialised and every collective returns its input.
 """
 
-from deltaserve.distributed.communication import recv_tensors, send_tensors, tp_all_gather, tp_all_reduce
+from deltaserve.distributed.communication import (
+    dcp_all_gather,
+    recv_tensors,
+    send_tensors,
+    tp_all_gather,
+    tp_all_reduce,
+)
 from deltaserve.distributed.parallel_state import (
     DistributedState,
     destroy_distributed,
@@ -16,6 +22,7 @@ from deltaserve.distributed.parallel_state import (
 
 __all__ = [
     "DistributedState",
+    "dcp_all_gather",
     "destroy_distributed",
     "get_distributed_state",
     "init_distributed",

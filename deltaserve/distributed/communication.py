@@ -55,6 +55,25 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return out.to(x.device) if staged else out
 
 
+def dcp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every DCP rank's `x` along `dim`, in DCP-rank order: [..., n, ...] -> [..., dcp * n, ...].
+
+    Runs on every rank of this rank's decode-context-parallel group (consecutive TP ranks); every
+    rank's `x` must have the same shape. Without a DCP group it returns `x`.
+    """
+    state = parallel_state._state
+    group = getattr(state, "dcp_group", None)
+    if state is None or group is None:
+        return x
+    x = x.contiguous()
+    staged = _staged(state, x)
+    src = x.cpu() if staged else x
+    parts = [torch.empty_like(src) for _ in range(state.parallel.decode_context_parallel_size)]
+    dist.all_gather(parts, src, group=group)
+    out = torch.cat(parts, dim=dim)
+    return out.to(x.device) if staged else out
+
+
 def send_tensors(tensors: dict[str, torch.Tensor], dst: int | None = None) -> None:
     """Send named tensors to global rank `dst` (default: the same TP rank of the next stage).
 

@@ -63,13 +63,18 @@ class CoreReady:
     model_dir: str
     max_model_len: int
     num_kv_blocks: int
-    block_size: int
+    block_size: int  # tokens per scheduler block (block_size x decode_context_parallel_size)
     num_state_slots: int
     num_checkpoint_units: int
     checkpoint_unit_bytes: int
     cache_bytes: int
     device: str
     dtype: str
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of context the KV cache holds over all requests (grows with the DCP group)."""
+        return self.num_kv_blocks * self.block_size
 
 
 class EngineCoreProc:
@@ -82,7 +87,7 @@ class EngineCoreProc:
         plan = self.core.cache_plan
         executor = self.core.executor
         self.ready = CoreReady(
-            info.model_dir, info.max_model_len, plan.num_blocks, config.block_size, plan.num_state_slots,
+            info.model_dir, info.max_model_len, plan.num_blocks, config.scheduler_block_size, plan.num_state_slots,
             plan.num_checkpoint_units, plan.checkpoint_unit_bytes, plan.total_bytes,
             executor.device_name, executor.dtype_name,
         )

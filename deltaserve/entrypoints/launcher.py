@@ -148,7 +148,7 @@ class Server:
             engine_config=self.engine_config, engine_address=self.address,
             served_model_names=self.served_model_names,
             api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, shutdown_timeout_s=opts.shutdown_timeout_s,
-            log_level=opts.log_level, max_model_len=ready.max_model_len,
+            log_level=opts.log_level, max_model_len=ready.max_model_len, kv_capacity_tokens=ready.kv_capacity_tokens,
             heartbeat_address=heartbeat_address(self.address), launcher_pid=os.getpid(),
             stuck_after_s=opts.health_stuck_timeout_s, header_timeout_s=opts.header_timeout_s,
             trust_request_chat_template=opts.trust_request_chat_template, cpu_work_timeout_s=opts.cpu_work_timeout_s,
@@ -205,10 +205,12 @@ class Server:
         host, port = self.bound_address
         gib = ready.cache_bytes / 2**30
         logger.info(
-            "deltaserve serve: model %s (served as %s) on %s %s; max_model_len %d; KV cache %d blocks x %d tokens, "
-            "%d KDA state slots, %d checkpoint units x %d bytes (%.2f GiB in all); %d API server(s)",
+            "deltaserve serve: model %s (served as %s) on %s %s; max_model_len %d; KV cache %d blocks x %d tokens "
+            "(%d tokens of context), %d KDA state slots, %d checkpoint units x %d bytes (%.2f GiB in all); "
+            "%d API server(s)",
             ready.model_dir, ", ".join(self.served_model_names),
             ready.device, ready.dtype, ready.max_model_len, ready.num_kv_blocks, ready.block_size,
+            ready.kv_capacity_tokens,
             ready.num_state_slots, ready.num_checkpoint_units, ready.checkpoint_unit_bytes, gib,
             self.options.api_server_count,
         )

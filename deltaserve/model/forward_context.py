@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.distributed.dcp_layout import DCPLayout
+
 
 @dataclass(frozen=True)
 class PrefillSequence:
@@ -49,6 +51,9 @@ class ForwardContext:
     decode_max_seq_len: int | None = None
     # prefill_cu_seqlens on the host, so kernels that plan their chunks on the CPU need no device read
     prefill_cu_seqlens_cpu: torch.Tensor | None = None
+    # decode context parallelism: this rank's stripe of every sequence's latents (None: no DCP); the
+    # slot mapping already holds local slots, and MLA decodes over dcp.local_seq_lens(decode_seq_lens)
+    dcp: DCPLayout | None = None
 
     @property
     def num_prefills(self) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledChunk, SchedulerOutput
 from deltaserve.distributed import recv_tensors, send_tensors
+from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.model.forward_context import ForwardContext, PrefillSequence, set_forward_context
 from deltaserve.model.kimi_linear import IntermediateTensors, KimiLinearForCausalLM
 from deltaserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, step_seed
@@ -93,9 +94,14 @@ class ModelRunner:
     """Owns the model, the per-request sampling parameters the worker has been told about, every
     running request's block table and, on the device, the id each request sampled last."""
 
-    def __init__(self, model: KimiLinearForCausalLM, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: KimiLinearForCausalLM, block_size: int, device: torch.device,
+                 dcp: DCPLayout | None = None) -> None:
+        """block_size: tokens per scheduler block (under DCP, block_size x dcp.size: the local page
+        holds dcp.block_size of them); dcp: this rank's stripe under decode context parallelism."""
         self.model = model
         self.block_size = block_size
+        self.dcp = dcp
+        self.dcp_pad_slot = 0  # under DCP, where other ranks' tokens are written: set by the worker
         self.device = device
         self.sampler = Sampler()
         self.sampling_params: dict[str, SamplingParams] = {}
@@ -141,7 +147,7 @@ class ModelRunner:
         ctx = ForwardContext(
             num_tokens=num_tokens,
             num_decodes=nd,
-            slot_mapping=tables.slot_mapping(dev["chunk_rows"][chunk_of_token], positions, bs),
+            slot_mapping=self._slot_mapping(dev["chunk_rows"][chunk_of_token], positions),
             decode_state_slots=dev["decode_state_slots"],
             decode_block_tables=tables.gather(dev["chunk_rows"][:nd], max_blocks),
             decode_seq_lens=dev["decode_seq_lens"],
@@ -150,9 +156,18 @@ class ModelRunner:
             prefill_has_initial_state=dev["prefill_has_initial_state"].bool(),
             prefill_sequences=tuple(prefill_sequences),
             prefill_cu_seqlens_cpu=torch.tensor(host["prefill_cu_seqlens"], dtype=torch.long),
+            dcp=self.dcp,
         )
         return PreparedStep(input_ids, ctx, dev["sample_rows"], dev["sample_table_rows"], sample_chunks,
                             prompt_plan, dev["prompt_rows"], dev["prompt_targets"])
+
+    def _slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rows, positions: [T] long on the device -> [T] long, each token's KV slot on this rank (under
+        DCP: in its stripe, or the scratch slot for another rank's token)."""
+        if self.dcp is None:
+            return self.block_tables.slot_mapping(rows, positions, self.block_size)
+        block_ids = self.block_tables.device_table[rows, positions // self.block_size]
+        return self.dcp.slot_mapping(block_ids, positions, self.dcp_pad_slot)
 
     def _host_arrays(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], rows: list[int],
                      ) -> tuple[dict[str, list[int]], list[ScheduledChunk], PromptLogprobPlan]:

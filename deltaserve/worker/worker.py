@@ -12,6 +12,7 @@ from deltaserve.config.parallel import ParallelConfig
 from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
+from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
@@ -51,6 +52,10 @@ class Worker:
         self.dtype = resolve_dtype(engine_config.dtype, model_config)
         self.model: KimiLinearForCausalLM | None = None
         self.runner: ModelRunner | None = None
+        dcp = self.parallel.decode_context_parallel_size
+        # decode context parallelism: this rank stores its stripe of every sequence's MLA latents
+        self.dcp = (DCPLayout(dcp, self.parallel.decode_context_parallel_rank, engine_config.block_size,
+                              engine_config.dcp_kv_cache_interleave_size) if dcp > 1 else None)
         torch.manual_seed(engine_config.seed)
 
     # Setup -----------------------------------------------------------------------------------
@@ -62,7 +67,13 @@ class Worker:
         elif model is None:
             model = load_model_from_dir(self.model_dir, self.model_config, self.parallel, self.dtype, self.device)
         self.model = model
-        self.runner = ModelRunner(model, self.engine_config.block_size, self.device)
+        self.runner = ModelRunner(model, self.scheduler_block_size, self.device, self.dcp)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens one scheduler block covers: block_size, times the DCP group's size under DCP (each
+        rank's page holds block_size of them)."""
+        return self.dcp.scheduler_block_size if self.dcp is not None else self.engine_config.block_size
 
     def cache_specs(self) -> tuple[MLALatentSpec, KDAStateSpec]:
         assert self.model is not None
@@ -70,7 +81,8 @@ class Worker:
         kda = self.model.kda_layers()
         first = kda[0] if kda else None
         kv_spec = MLALatentSpec(
-            block_size=self.engine_config.block_size,
+            block_size=self.scheduler_block_size,
+            dcp_size=self.dcp.size if self.dcp is not None else 1,
             num_layers=len(self.model.mla_layers()),
             latent_dim=self.model_config.latent_dim,
             dtype_bytes=dtype_bytes,
@@ -118,6 +130,8 @@ class Worker:
                 conv = torch.zeros(num_slots, 3 * layer.local_dim, layer.conv_width - 1, dtype=self.dtype)
                 rec = torch.zeros(num_slots, layer.num_heads, layer.head_dim, layer.head_dim, dtype=torch.float32)
                 layer.bind_state(conv, rec)
+        assert self.runner is not None
+        self.runner.dcp_pad_slot = plan.num_blocks * bs  # the scratch block's first slot
         if plan.num_checkpoint_units:
             tensors = [t for layer in self.model.kda_layers() for t in (layer.conv_state, layer.recurrent_state)]
             store = StateCheckpointStore(tensors, plan.num_checkpoint_units, plan.checkpoint_unit_bytes)
@@ -125,6 +139,8 @@ class Worker:
             self.runner.state_store = store
         if self.parallel.pipeline_parallel_size > 1:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
+        elif self.dcp is not None:
+            logger.info("decode runs without CUDA graphs under decode context parallelism (not captured yet)")
         elif self.device.type == "cuda" and not self.engine_config.enforce_eager:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
 

@@ -1,6 +1,6 @@
-"""The accuracy gate under tensor and pipeline parallelism: the trained tiny target served by the
-multi-process executor (gloo, float32, CPU) reproduces reference.json (the plain engine's figures)
-within the float32 preset: the loss to 1e-4 relative and every greedy token.
+"""The accuracy gate under tensor, pipeline and decode context parallelism: the trained tiny target
+served by the multi-process executor (gloo, float32, CPU) reproduces reference.json (the plain
+engine's figures) within the float32 preset: the loss to 1e-4 relative and every greedy token.
 
 Skipped without installed trained weights (tests/trained_model.py).
 """
@@ -17,6 +17,7 @@ WORLDS = {
     "tp2": dict(tensor_parallel_size=2),
     "pp2": dict(pipeline_parallel_size=2),
     "tp2_pp2_inflight3": dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_max_inflight=3),
+    "tp2_dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
 }
 
 

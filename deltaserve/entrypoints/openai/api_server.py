@@ -74,6 +74,7 @@ class FrontendSettings:
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     max_model_len: int | None = None  # as the core resolved it
+    kv_capacity_tokens: int | None = None  # tokens of context the core's KV cache holds
     heartbeat_address: str | None = None  # the core's heartbeat; None: no liveness watch (tests)
     launcher_pid: int | None = None
     stuck_after_s: float = DEFAULT_STUCK_AFTER_S
@@ -216,7 +217,7 @@ def build_app(settings: FrontendSettings, info: ModelInfo | None = None) -> Fast
         created = now_s()
         return ModelList(data=[
             ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len,
-                      vocab_size=info.model_config.vocab_size)
+                      vocab_size=info.model_config.vocab_size, kv_cache_capacity_tokens=settings.kv_capacity_tokens)
             for name in settings.served_model_names
         ])
 

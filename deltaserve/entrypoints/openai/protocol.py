@@ -663,6 +663,8 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None  # deltaserve's own: the token-id range [0, vocab_size) prompts may use
+    # deltaserve's own: tokens of context the KV cache holds over all requests (x the DCP group's size)
+    kv_cache_capacity_tokens: int | None = None
 
 
 class ModelList(BaseModel):

@@ -4,6 +4,12 @@ The paged cache holds, per token, only the normalised latent (kv_lora_rank value
 k_pe (qk_rope_head_dim values). Prefill expands the latents of a sequence to per-head K/V through
 kv_b_proj; decode folds q_nope through W_UK, attends over the latents directly and maps the result
 through W_UV (the absorbed form), so expanded K/V never exist for decoding sequences.
+
+Under decode context parallelism (`ForwardContext.dcp`) each rank of a DCP group stores only its
+stripe of every sequence's latents (`distributed/dcp_layout.py`). Decode all-gathers the folded
+queries of the group's heads, attends over the local stripe, all-gathers the partial outputs and
+log-sum-exps and merges its own heads' parts in float32. Prefill gathers a chunk's cached context
+from the group (the new tokens' latents every rank has computed) and attends as without DCP.
 """
 
 from __future__ import annotations
@@ -13,11 +19,12 @@ from torch import nn
 
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
-from deltaserve.distributed import tp_all_reduce
+from deltaserve.distributed import dcp_all_gather, tp_all_reduce
+from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear
 from deltaserve.model.layers.norm import RMSNorm
-from deltaserve.ops.mla import gather_latents, paged_mla_decode, write_latents
+from deltaserve.ops.mla import gather_latents, merge_partial_attentions, paged_mla_decode, write_latents
 from deltaserve.ops.mla.prefill import attention_prefill
 
 # transformers builds kv_a_layernorm and q_a_layernorm with its RMSNorm default eps, not rms_norm_eps
@@ -70,7 +77,8 @@ class MultiheadLatentAttention(nn.Module):
         ctx = get_forward_context()
         q = self._queries(x)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        write_latents(self.kv_cache, ctx.slot_mapping, torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
+        entries = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [T, R + P]
+        write_latents(self.kv_cache, ctx.slot_mapping, entries)
 
         out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
         nd = ctx.num_decodes
@@ -78,17 +86,58 @@ class MultiheadLatentAttention(nn.Module):
             w_uk, w_uv = self._up_projections()
             q_nope, q_pe = q[:nd].split([self.nope_dim, self.rope_dim], dim=-1)
             q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
-            o_latent, _ = paged_mla_decode(
-                q_latent, q_pe, self.kv_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
-                self.scale, self.kv_lora_rank, max_seq_len=ctx.decode_max_seq_len,
-            )
+            if ctx.dcp is None:
+                o_latent, _ = paged_mla_decode(
+                    q_latent, q_pe, self.kv_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
+                    self.scale, self.kv_lora_rank, max_seq_len=ctx.decode_max_seq_len,
+                )
+            else:
+                o_latent = self._decode_over_stripes(q_latent, q_pe, ctx.dcp)
             out[:nd] = torch.einsum("bhr,hvr->bhv", o_latent.to(x.dtype), w_uv)
         for seq in ctx.prefill_sequences:
             rows = slice(seq.token_start, seq.token_start + seq.num_new_tokens)
-            cached = gather_latents(self.kv_cache, seq.block_ids, seq.num_context_tokens + seq.num_new_tokens)
+            if ctx.dcp is None:
+                cached = gather_latents(self.kv_cache, seq.block_ids, seq.num_context_tokens + seq.num_new_tokens)
+            else:  # the context from the group's stripes, the new tokens as computed here
+                context = self._gather_context(seq.block_ids, seq.num_context_tokens, ctx.dcp)
+                cached = torch.cat([context, entries[rows].to(context.dtype)])
             c, kpe = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             kv = self.kv_b_proj(c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
             out[rows] = attention_prefill(q[rows], k, v, self.scale, seq.num_context_tokens)
         return tp_all_reduce(self.o_proj(out.reshape(-1, self.num_heads * self.v_dim)))
+
+    def _decode_over_stripes(self, q_latent: torch.Tensor, q_pe: torch.Tensor, dcp: DCPLayout) -> torch.Tensor:
+        """Decode under DCP. q_latent: [D, H, R], q_pe: [D, H, P] (this rank's H heads) -> o_latent
+        [D, H, R] float32: the group's queries over this rank's stripe, merged over the group."""
+        ctx = get_forward_context()
+        heads = q_latent.shape[1]
+        queries = dcp_all_gather(torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1), dim=1)  # [D, dcp*H, R+P]
+        group_q_latent, group_q_pe = queries.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        o_part, lse_part = paged_mla_decode(
+            group_q_latent, group_q_pe, self.kv_cache, ctx.decode_block_tables, dcp.local_seq_lens(ctx.decode_seq_lens),
+            self.scale, self.kv_lora_rank, max_seq_len=ctx.decode_max_seq_len,
+        )
+        # every rank's partial over its stripe, for the group's heads; this rank merges its own heads'
+        # (an all-gather moves dcp times what an all-to-all would: simple, and the step's smallest tensors)
+        o_parts = dcp_all_gather(o_part.unsqueeze(0), dim=0)  # [dcp, D, dcp*H, R] float32
+        lse_parts = dcp_all_gather(lse_part.unsqueeze(0), dim=0)  # [dcp, D, dcp*H]
+        mine = slice(dcp.rank * heads, (dcp.rank + 1) * heads)
+        return merge_partial_attentions(o_parts[:, :, mine], lse_parts[:, :, mine])[0]
+
+    def _gather_context(self, block_ids: torch.Tensor, num_context: int, dcp: DCPLayout) -> torch.Tensor:
+        """The first num_context cached entries of one sequence [num_context, R + P], in position
+        order, from every DCP rank's stripe (a collective: every rank of the group calls it)."""
+        if num_context == 0:
+            return self.kv_cache.new_empty(0, self.kv_cache.shape[-1])
+        positions = [dcp.local_positions_of_rank(num_context, r) for r in range(dcp.size)]  # host, no sync
+        lengths = [len(p) for p in positions]
+        local = gather_latents(self.kv_cache, block_ids, lengths[dcp.rank])
+        padded = local.new_zeros(max(lengths), local.shape[-1])
+        padded[: lengths[dcp.rank]] = local
+        parts = dcp_all_gather(padded.unsqueeze(0), dim=0)  # [dcp, max_len, R + P]
+        context = local.new_empty(num_context, local.shape[-1])
+        for r in range(dcp.size):
+            context[positions[r].to(context.device)] = parts[r, : lengths[r]]
+        return context

@@ -12,7 +12,13 @@ from collections.abc import Callable
 import torch
 
 from deltaserve.ops.mla import naive
-from deltaserve.ops.mla.naive import attention_expanded, gather_latents, merge_attention_states, write_latents
+from deltaserve.ops.mla.naive import (
+    attention_expanded,
+    gather_latents,
+    merge_attention_states,
+    merge_partial_attentions,
+    write_latents,
+)
 from deltaserve.ops.triton_kernels import cuda_kernels
 
 PagedDecodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -52,6 +58,7 @@ __all__ = [
     "attention_expanded",
     "gather_latents",
     "merge_attention_states",
+    "merge_partial_attentions",
     "paged_mla_decode",
     "paged_mla_decode_impl",
     "write_latents",

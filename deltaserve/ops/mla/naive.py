@@ -128,3 +128,18 @@ def merge_attention_states(
     w_a = torch.exp(lse_a - shift).unsqueeze(-1)
     w_b = torch.exp(lse_b - shift).unsqueeze(-1)
     return w_a * o_a.float() + w_b * o_b.float(), lse
+
+
+def merge_partial_attentions(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine N partial attentions over disjoint key sets (DCP ranks' stripes) into one, in float32.
+
+    o_parts: [N, ..., H, D], lse_parts: [N, ..., H] -> (o [..., H, D] float32, lse [..., H] float32).
+    Parts with lse = -inf (no keys on that rank) contribute nothing; all empty gives o = 0, lse = -inf.
+    Equal to folding `merge_attention_states` over the parts; float32 throughout, since a bf16 merge
+    is known to cost accuracy.
+    """
+    lse_parts = lse_parts.float()
+    lse = torch.logsumexp(lse_parts, dim=0)
+    shift = torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
+    weights = torch.exp(lse_parts - shift).unsqueeze(-1)  # [N, ..., H, 1]; exp(-inf) = 0 for empty parts
+    return (weights * o_parts.float()).sum(dim=0), lse
