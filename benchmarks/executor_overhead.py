@@ -18,9 +18,11 @@ On the H200 (48B shape, random bfloat16 weights):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import gc
 import json
+import multiprocessing
 import os
 import statistics
 
@@ -58,6 +60,14 @@ def measure(executor: str, batch: int, args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
 
 
+def measure_in_child(executor: str, batch: int, args: argparse.Namespace) -> dict:
+    """`measure` in a fresh process, so that one engine's device memory is gone before the next starts
+    (the 48B shape fits one H200 once: on 2026-12-04 the in-process engine's weights were still held
+    when the mp engine's rank loaded its own, and it ran out of memory)."""
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure, executor, batch, args).result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="random:tiny")
@@ -75,7 +85,7 @@ def main() -> None:
     rows = []
     print(f"{'batch':>5} {'uniproc ms':>10} {'mp ms':>8} {'overhead':>8}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
-        pair = {name: measure(name, batch, args) for name in EXECUTORS}
+        pair = {name: measure_in_child(name, batch, args) for name in EXECUTORS}
         overhead = 100.0 * (pair["mp"]["median_ms"] / pair["uniproc"]["median_ms"] - 1.0)
         rows.append({"batch": batch, "overhead_pct": overhead, **{name: pair[name] for name in EXECUTORS}})
         print(f"{batch:>5} {pair['uniproc']['median_ms']:10.3f} {pair['mp']['median_ms']:8.3f} {overhead:7.1f}%",

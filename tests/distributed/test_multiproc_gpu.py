@@ -1,4 +1,4 @@
-"""The multi-process executor's GPU path on one GPU: TP=2 and PP=2 ranks sharing it (gloo, tensors
+"""The multi-process executor's GPU path on one GPU: TP=2, PP=2 and TP=2 x DCP=2 ranks sharing it (gloo, tensors
 staged through host memory; correct, not fast) against the single-process GPU engine.
 
 Both run fla's KDA and the Triton MLA kernels in float32 (TF32 dots), and TP sums its heads' partial
@@ -30,8 +30,9 @@ def _first_divergence(a, b) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("options", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                     dict(tensor_parallel_size=2, decode_context_parallel_size=2)],
+                         ids=["tp2", "pp2", "tp2_dcp2"])
 def test_ranks_sharing_one_gpu_match_the_single_process_engine(tmp_path_factory, options):
     model_dir, _ = checkpoint_dir(tmp_path_factory, "mp-gpu", tiny_hub_config(), seed=31)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 40, 70, 131], 320, seed=3)]
