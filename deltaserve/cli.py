@@ -40,6 +40,9 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
                                             help="TP ranks that split each request's MLA latents (divides -tp)")),
     ("--dcp-kv-cache-interleave-size", dict(type=int, default=1,
                                             help="consecutive tokens per DCP rank (divides the block size)")),
+    ("--enable-expert-parallel", dict(action="store_true",
+                                      help="each TP rank holds num_experts / -tp whole MoE experts instead of a "
+                                           "slice of every expert (no effect at -tp 1)")),
     ("--distributed-executor-backend", dict(default=None,
                                             help="uniproc | mp (default: mp with more than one rank)")),
     ("--nnodes", dict(type=int, default=1, help="nodes the ranks span (each runs world size / nnodes ranks)")),

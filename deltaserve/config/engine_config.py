@@ -67,6 +67,9 @@ class EngineConfig:
     # latents, token t on DCP rank (t // interleave) % size; it divides tensor_parallel_size
     decode_context_parallel_size: int = 1
     dcp_kv_cache_interleave_size: int = 1  # divides block_size
+    # expert parallelism (vLLM's name): each TP rank holds num_experts / tensor_parallel_size whole routed
+    # experts instead of a slice of every expert; no effect at tensor_parallel_size=1 (as in vLLM)
+    enable_expert_parallel: bool = False
     # "uniproc" (everything in this process) or "mp" (one process per rank); None: "mp" when
     # tensor_parallel_size x pipeline_parallel_size > 1, else "uniproc"
     distributed_executor_backend: str | None = None
@@ -123,6 +126,7 @@ class EngineConfig:
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
         )
 
     def _check_dcp_options(self) -> None:

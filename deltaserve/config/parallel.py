@@ -1,5 +1,7 @@
 """How the model is split over ranks: tensor-parallel (heads, intermediate sizes) inside a pipeline
-stage, pipeline-parallel (contiguous layer ranges) across stages."""
+stage, pipeline-parallel (contiguous layer ranges) across stages, and, with expert parallelism, the
+MoE's routed experts placed whole over the TP ranks of a stage instead of split along their
+intermediate size."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class ParallelConfig:
     # decode context parallelism: groups of this many consecutive TP ranks split each request's MLA
     # latents (it divides tensor_parallel_size and adds no ranks)
     decode_context_parallel_size: int = 1
+    # expert parallelism (vLLM's name): each TP rank of a stage holds num_experts / tensor_parallel_size
+    # whole routed experts; at tensor_parallel_size=1 it changes nothing (vLLM ignores it there too)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -44,6 +49,45 @@ class ParallelConfig:
     def decode_context_parallel_rank(self) -> int:
         """This rank's place in its DCP group (TP ranks [k * dcp, (k + 1) * dcp) form group k)."""
         return self.tensor_parallel_rank % self.decode_context_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are placed over: the TP group with enable_expert_parallel, else 1
+        (every TP rank holds a slice of every expert)."""
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        return self.tensor_parallel_rank if self.enable_expert_parallel else 0
+
+    @property
+    def uses_expert_parallel(self) -> bool:
+        """Whether the experts are placed over more than one rank (enable_expert_parallel at TP > 1)."""
+        return self.expert_parallel_size > 1
+
+    def local_expert_range(self, num_experts: int) -> tuple[int, int]:
+        """The contiguous [start, end) of global expert ids this rank holds (vLLM's linear placement):
+        all of them without expert parallelism. Refuses a num_experts the EP ranks cannot share evenly."""
+        ep = self.expert_parallel_size
+        if num_experts % ep:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by tensor_parallel_size={ep}: with "
+                "enable_expert_parallel each TP rank holds num_experts / tensor_parallel_size whole experts; "
+                "choose a tensor_parallel_size that divides num_experts, or turn enable_expert_parallel off"
+            )
+        per_rank = num_experts // ep
+        start = self.expert_parallel_rank * per_rank
+        return start, start + per_rank
+
+    def describe_expert_placement(self, num_experts: int) -> str:
+        """One line for the startup log, e.g. 'ep=2 (8 experts, 4 per TP rank: [0, 4), [4, 8))'."""
+        if not self.uses_expert_parallel:
+            reason = " (tensor_parallel_size=1)" if self.enable_expert_parallel else ""
+            return f"ep=off{reason}"
+        self.local_expert_range(num_experts)  # refuses an uneven split
+        per_rank = num_experts // self.expert_parallel_size
+        ranges = ", ".join(f"[{r * per_rank}, {(r + 1) * per_rank})" for r in range(self.expert_parallel_size))
+        return f"ep={self.expert_parallel_size} ({num_experts} experts, {per_rank} per TP rank: {ranges})"
 
     @property
     def world_size(self) -> int:

@@ -58,8 +58,10 @@ _state: DistributedState | None = None
 
 
 def parallel_config_for_rank(tensor_parallel_size: int, pipeline_parallel_size: int, rank: int,
-                             decode_context_parallel_size: int = 1) -> ParallelConfig:
-    """The ParallelConfig of global `rank` under the TP-innermost layout."""
+                             decode_context_parallel_size: int = 1,
+                             enable_expert_parallel: bool = False) -> ParallelConfig:
+    """The ParallelConfig of global `rank` under the TP-innermost layout (expert parallelism places the
+    routed experts over each stage's TP group: it adds no ranks and no process group)."""
     world = tensor_parallel_size * pipeline_parallel_size
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} out of range for a world of {world} "
@@ -71,6 +73,7 @@ def parallel_config_for_rank(tensor_parallel_size: int, pipeline_parallel_size: 
         tensor_parallel_rank=rank % tensor_parallel_size,
         pipeline_parallel_rank=rank // tensor_parallel_size,
         decode_context_parallel_size=decode_context_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
     )
 
 
@@ -82,6 +85,7 @@ def init_distributed(
     init_method: str | None = None,
     backend: str = "gloo",
     decode_context_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> ParallelConfig:
     """Join the world and build this rank's groups; returns this rank's ParallelConfig.
 
@@ -100,7 +104,7 @@ def init_distributed(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not supported; choose 'gloo' (CPU) or 'nccl' (CUDA)")
     parallel = parallel_config_for_rank(tensor_parallel_size, pipeline_parallel_size, rank,
-                                        decode_context_parallel_size)
+                                        decode_context_parallel_size, enable_expert_parallel)
     tp, pp, dcp = tensor_parallel_size, pipeline_parallel_size, decode_context_parallel_size
     tp_ranks = tuple(parallel.pipeline_parallel_rank * tp + t for t in range(tp))
     pp_ranks = tuple(p * tp + parallel.tensor_parallel_rank for p in range(pp))

@@ -104,6 +104,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self._arrivals = itertools.count()
+        # refused here, before any rank starts, when the experts do not split evenly over the TP ranks
+        expert_placement = config.parallel.describe_expert_placement(model_config.num_experts)
         from deltaserve.executor.base import executor_class  # torch and the model: only where the core runs
 
         self.executor = executor_class(config.executor_backend)(config, model_config, model_dir, model)
@@ -126,12 +128,12 @@ class EngineCore:
         self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
         self._max_batches_in_flight = 0
         logger.info(
-            "deltaserve engine: model=%s dtype=%s device=%s executor=%s tp=%d pp=%d dcp=%d kv_blocks=%d "
+            "deltaserve engine: model=%s dtype=%s device=%s executor=%s tp=%d pp=%d dcp=%d %s kv_blocks=%d "
             "(block_size %d, %d tokens of context) state_slots=%d checkpoint_units=%d x %d bytes prefix_caching=%s "
             "async_scheduling=%s batches_in_flight=%d",
             model_dir, self.executor.dtype_name, self.executor.device_name, config.executor_backend,
             config.tensor_parallel_size, config.pipeline_parallel_size, config.decode_context_parallel_size,
-            self.cache_plan.num_blocks, config.scheduler_block_size,
+            expert_placement, self.cache_plan.num_blocks, config.scheduler_block_size,
             self.cache_plan.num_blocks * config.scheduler_block_size, self.cache_plan.num_state_slots,
             self.cache_plan.num_checkpoint_units, self.cache_plan.checkpoint_unit_bytes, config.enable_prefix_caching,
             self.async_scheduling, self.batch_queue_size,

@@ -157,11 +157,13 @@ def rank_main(launch: RankLaunch) -> None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dcp = launch.engine_config.decode_context_parallel_size
         parallel = parallel_config_for_rank(launch.tensor_parallel_size, launch.pipeline_parallel_size, launch.rank,
-                                            decode_context_parallel_size=dcp)
+                                            decode_context_parallel_size=dcp,
+                                            enable_expert_parallel=launch.engine_config.enable_expert_parallel)
         if launch.world_size > 1:
             init_distributed(launch.tensor_parallel_size, launch.pipeline_parallel_size, launch.rank,
                              launch.world_size, init_method, backend=launch.backend,
-                             decode_context_parallel_size=dcp)
+                             decode_context_parallel_size=dcp,
+                             enable_expert_parallel=launch.engine_config.enable_expert_parallel)
         worker = Worker(launch.engine_config, launch.model_config, launch.model_dir, parallel=parallel, device=device)
         worker.load_model()
         kv_spec, state_spec = worker.cache_specs()

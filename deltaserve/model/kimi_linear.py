@@ -28,7 +28,7 @@ from deltaserve.config.model_config import DENSE_MLP, LINEAR_ATTENTION, KimiLine
 from deltaserve.config.parallel import ParallelConfig
 from deltaserve.distributed import get_distributed_state, is_initialized
 from deltaserve.model.layers.kda import KimiDeltaAttention
-from deltaserve.model.layers.linear import copy_shard, replicated_loader
+from deltaserve.model.layers.linear import replicated_loader
 from deltaserve.model.layers.mla import MultiheadLatentAttention
 from deltaserve.model.layers.moe import DenseMLP, SparseMoE
 from deltaserve.model.layers.norm import RMSNorm
@@ -185,7 +185,8 @@ class KimiLinearForCausalLM(nn.Module):
         """Copy checkpoint tensors (hub layout) into this stage's parameters.
 
         Returns the checkpoint names consumed. Tensors of layers that belong to other pipeline stages
-        are skipped; a name that maps to no parameter raises ValueError naming it.
+        are skipped; so are (inside the experts' loader, still counted as consumed) routed experts that
+        another expert-parallel rank holds. A name that maps to no parameter raises ValueError naming it.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -203,8 +204,8 @@ class KimiLinearForCausalLM(nn.Module):
             try:
                 if expert is None:
                     getattr(param, "weight_loader", replicated_loader)(param, tensor, shard_id)
-                else:
-                    self._load_expert(param, tensor, expert, shard_id)
+                else:  # SparseMoE's expert loader: this rank's slice, or nothing for another EP rank's expert
+                    param.weight_loader(param, tensor, shard_id, expert)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             loaded.add(name)
@@ -242,13 +243,3 @@ class KimiLinearForCausalLM(nn.Module):
             param, piece = pieces.get(rest) or _FUSED_PIECES[rest]
             return prefix + param, piece, None
         return prefix + rest, None, None
-
-    def _load_expert(self, param: torch.Tensor, tensor: torch.Tensor, expert: int, piece: int | None) -> None:
-        if not 0 <= expert < param.shape[0]:
-            raise ValueError(f"expert {expert} is out of range (num_experts={param.shape[0]})")
-        world, rank = self.parallel.tensor_parallel_size, self.parallel.tensor_parallel_rank
-        target = param.data[expert]
-        if piece is None:  # w2 [hidden, I]: split along I
-            copy_shard(target, tensor, 1, rank, world)
-        else:  # w1 / w3 [I, hidden] into rows of w13
-            copy_shard(target, tensor, 0, rank, world, piece * target.shape[0] // 2)

@@ -64,21 +64,33 @@ def run_stage(worker: Worker, scheduler_output: SchedulerOutput) -> tuple[list[s
     return [c.request_id for c in step.sample_chunks], model.compute_logits(out[step.sample_rows])
 
 
+def routed_experts(worker: Worker) -> dict[int, tuple[Any, Any]]:
+    """{layer id: (w13, w2) as numpy arrays} of this rank's MoE layers: its shard of the routed experts."""
+    from deltaserve.model.layers.moe import SparseMoE
+
+    assert worker.runner is not None
+    return {layer.layer_id: (layer.mlp.w13.numpy(), layer.mlp.w2.numpy())
+            for layer in worker.runner.model.layers.values() if isinstance(layer.mlp, SparseMoE)}
+
+
 def rank_main(rank: int, tp: int, pp: int, init_method: str, model_dir: str, inbox: Any, outbox: Any,
-              use_runner: bool = False) -> None:
-    """A rank process: join the world, load its shard, then run every SchedulerOutput from `inbox`
-    (None ends) and put (rank, result) on `outbox`; an exception goes to `outbox` as text.
+              use_runner: bool = False, enable_expert_parallel: bool = False) -> None:
+    """A rank process: join the world, load its shard, report ("ready", its `routed_experts`), then run
+    every SchedulerOutput from `inbox` (None ends) and put (rank, result) on `outbox`; an exception
+    goes to `outbox` as text.
 
     use_runner (one stage only): run the step through the engine's own path, `Worker.execute_model`,
     and report (request ids, sampled token ids) instead of logits.
+    enable_expert_parallel: each TP rank holds whole experts (see SparseMoE).
     """
     sys.modules["fla"] = None  # as tests/conftest.py: the CPU path, not fla's Triton kernels
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        parallel = init_distributed(tp, pp, rank, tp * pp, init_method, backend="gloo")
+        parallel = init_distributed(tp, pp, rank, tp * pp, init_method, backend="gloo",
+                                    enable_expert_parallel=enable_expert_parallel)
         worker = make_worker(model_dir, parallel)
-        outbox.put((rank, "ready"))
+        outbox.put((rank, ("ready", routed_experts(worker))))
         while (scheduler_output := inbox.get()) is not None:
             if use_runner:
                 out = worker.execute_model(scheduler_output)

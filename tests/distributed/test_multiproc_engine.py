@@ -1,12 +1,13 @@
-"""The multi-process executor through `LLM`: TP=2 (with and without async scheduling), PP=2, TP=2 x
-PP=2, PP=3 uneven, and TP=1 in a rank process, all equal to the single-process engine (greedy tokens
-identical, logprobs within 1e-4).
+"""The multi-process executor through `LLM`: TP=2 (with and without async scheduling), TP=2 with
+expert parallelism, PP=2, TP=2 x PP=2, PP=3 uneven, and TP=1 in a rank process, all equal to the
+single-process engine (greedy tokens identical, logprobs within 1e-4).
 
 Each world is one module-scoped engine (its rank processes start once and are stopped by the fixture)
 and runs the same scenarios as a single-process reference on the same float32 checkpoint: a batch with
 chunked prefill, prefix caching and preemption (few KV blocks), a multi-turn follow-up that resumes from
 a KDA checkpoint, and an abort with batches in flight. Also here: the refusals (a stage without a KDA
-layer, async scheduling under PP), and a killed rank taking the engine down with an error naming it.
+layer, async scheduling under PP, experts that do not split over the TP ranks), and a killed rank
+taking the engine down with an error naming it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ WORLDS = {
     "mp_tp1": ("four_layers", dict(distributed_executor_backend="mp")),
     # two steps in flight, decodes on placeholders that every TP rank fills from its own sample
     "tp2_async": ("four_layers", dict(tensor_parallel_size=2, async_scheduling=True)),
+    # each TP rank holds 4 of the 8 routed experts whole (tiny_hub_config: num_experts=8)
+    "tp2_ep": ("four_layers", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
 }
 LOGPROB_TOL = 1e-4
 
@@ -168,6 +171,15 @@ def test_stage_without_kda_layer_is_refused(model_dirs):
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=4 leaves no KDA layer on stage 2 "
                                          r"\(layers \[2, 3\), 1 MLA\).*choose pipeline_parallel_size from \[1, 2\]"):
         LLM(model=model_dirs["four_layers"], **COMMON, pipeline_parallel_size=4)
+
+
+def test_experts_that_do_not_split_over_tp_are_refused_before_ranks_start(model_dirs):
+    # refused by the engine before any rank process starts (a TP of 3 would fail on the heads later)
+    with pytest.raises(ValueError, match=r"num_experts=8 is not divisible by tensor_parallel_size=3: with "
+                                         r"enable_expert_parallel.*choose a tensor_parallel_size that divides"):
+        LLM(model=model_dirs["four_layers"], **COMMON, tensor_parallel_size=3, enable_expert_parallel=True)
+    assert EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True).parallel.expert_parallel_size == 2
+    assert not EngineConfig(enable_expert_parallel=True).parallel.uses_expert_parallel  # TP=1: no effect
 
 
 def test_async_scheduling_under_pp_is_refused_naming_both():

@@ -9,7 +9,7 @@ from torch import nn
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.distributed import tp_all_reduce
-from deltaserve.model.layers.linear import Linear, sharded_param
+from deltaserve.model.layers.linear import Linear, copy_shard, sharded_param
 from deltaserve.ops.moe import fused_moe, grouped_topk
 
 
@@ -35,24 +35,74 @@ class DenseMLP(nn.Module):
         return tp_all_reduce(out) if self.reduce_results else out
 
 
-class SparseMoE(nn.Module):
-    """Routed experts (stacked, each split over ranks along its intermediate size) plus shared experts.
+def expert_param(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    split_dim: int,
+    parallel: ParallelConfig,
+    num_experts: int,
+) -> nn.Parameter:
+    """This rank's stack of routed-expert matrices, `shape` = [local experts, rows, cols].
 
-    The router is replicated, so every TP rank picks the same experts; the routed and shared partial
-    sums are added first and all-reduced once, as in vLLM.
+    Its `weight_loader(param, loaded, piece, expert_id)` takes one checkpoint matrix of global expert
+    `expert_id`: w2 [hidden, I] (piece None) or w1 / w3 [I, hidden] (piece 0 / 1, the halves of
+    w13's rows). Without expert parallelism every rank holds every expert and copies its 1/tp slice
+    along the intermediate size (`split_dim` of one expert's matrix: 0 for w1/w3, 1 for w2); with it,
+    a rank copies the whole matrix of its own experts and ignores the others (another rank holds them).
+    """
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    start, end = parallel.local_expert_range(num_experts)
+    # the intermediate size is split over the TP group only when the experts are not
+    world, rank = (1, 0) if parallel.uses_expert_parallel else (parallel.tensor_parallel_size,
+                                                                 parallel.tensor_parallel_rank)
+
+    def loader(p: torch.Tensor, loaded: torch.Tensor, piece: int | None, expert_id: int) -> None:
+        if not 0 <= expert_id < num_experts:
+            raise ValueError(f"expert {expert_id} is out of range (num_experts={num_experts})")
+        if not start <= expert_id < end:
+            return  # another expert-parallel rank holds it
+        target = p.data[expert_id - start]
+        offset = 0 if piece is None else piece * target.shape[0] // 2
+        copy_shard(target, loaded, split_dim, rank, world, offset)
+
+    param.weight_loader = loader
+    return param
+
+
+class SparseMoE(nn.Module):
+    """Routed experts (stacked) plus shared experts.
+
+    Tensor parallelism splits each routed expert over the TP ranks along its intermediate size: w13
+    [E, 2I/tp, H], w2 [E, H, I/tp]. With enable_expert_parallel (at TP > 1) each TP rank instead holds
+    E/tp whole experts, the contiguous range `parallel.local_expert_range`: w13 [E/tp, 2I, H], w2
+    [E/tp, H, I]. Either way the router is replicated, so every TP rank picks the same experts for the
+    same (replicated) tokens and computes its part: a slice of every chosen expert, or the whole of
+    the chosen experts it holds (zero for the others). The shared experts stay TP-split. The routed
+    and shared partial sums are added first and all-reduced once over the TP group, as in vLLM.
+
+    With every token on every rank the all-reduce is the right combine for expert parallelism too; an
+    all-to-all dispatch (each token sent only to the ranks of its experts, then combined back) moves
+    less at large EP and across data-parallel ranks, and is not built.
     """
 
     def __init__(self, config: KimiLinearConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         experts = config.num_experts
-        local_inter = divide(inter, parallel.tensor_parallel_size, "moe_intermediate_size")
+        start, end = parallel.local_expert_range(experts)
+        local_inter = inter if parallel.uses_expert_parallel else divide(
+            inter, parallel.tensor_parallel_size, "moe_intermediate_size")
         self.config = config
         self.gate_weight = sharded_param((experts, hidden), torch.float32, None, parallel)
         self.e_score_correction_bias = sharded_param((experts,), torch.float32, None, parallel)
         # w13[e] = [w1 (gate); w3 (up)] : [2 * I, hidden]; w2[e] (down) : [hidden, I]
-        self.w13 = sharded_param((experts, 2 * local_inter, hidden), dtype, 1, parallel, piece_sizes=[inter, inter])
-        self.w2 = sharded_param((experts, hidden, local_inter), dtype, 2, parallel)
+        self.w13 = expert_param((end - start, 2 * local_inter, hidden), dtype, 0, parallel, experts)
+        self.w2 = expert_param((end - start, hidden, local_inter), dtype, 1, parallel, experts)
+        # global expert id -> index into w13/w2, -1 for another rank's expert (expert parallelism only)
+        ids = torch.arange(experts)
+        local = torch.where((ids >= start) & (ids < end), ids - start, -1)
+        self.expert_map: torch.Tensor | None
+        self.register_buffer("expert_map", local if parallel.uses_expert_parallel else None, persistent=False)
         self.shared_experts = (
             DenseMLP(hidden, inter * config.num_shared_experts, parallel, dtype, reduce_results=False)
             if config.num_shared_experts
@@ -67,7 +117,7 @@ class SparseMoE(nn.Module):
             router_logits, self.e_score_correction_bias, cfg.num_experts_per_token,
             cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize, cfg.routed_scaling_factor,
         )
-        out = fused_moe(x, self.w13, self.w2, weights, ids)
+        out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out)

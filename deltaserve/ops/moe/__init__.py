@@ -14,7 +14,10 @@ import torch
 from deltaserve.ops.moe import grouped, naive
 from deltaserve.ops.moe.naive import grouped_topk
 
-FusedMoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, w13, w2, topk_weights, topk_ids, expert_map) -> out
+FusedMoEFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
 
 
 def fused_moe_impl(device: torch.device) -> FusedMoEFn:
@@ -35,10 +38,14 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, H], w13: [E, 2I, H] ([w1; w3]), w2: [E, H, I], topk_weights: [T, K] float32,
-    topk_ids: [T, K] long -> [T, H] in x.dtype: sum_k weight_k * w2_e(silu(w1_e x) * w3_e x)."""
-    return fused_moe_impl(x.device)(x, w13, w2, topk_weights, topk_ids)
+    topk_ids: [T, K] long -> [T, H] in x.dtype: sum_k weight_k * w2_e(silu(w1_e x) * w3_e x).
+
+    expert_map (expert parallelism): [E_global] long, global expert id -> index into this rank's E
+    experts or -1; the sum then runs over this rank's experts only (the others' terms are zero)."""
+    return fused_moe_impl(x.device)(x, w13, w2, topk_weights, topk_ids, expert_map)
 
 
 __all__ = ["fused_moe", "fused_moe_impl", "grouped_topk"]

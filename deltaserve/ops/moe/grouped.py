@@ -102,17 +102,28 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.T
     return order, offs
 
 
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """Global expert ids [T, K] -> this rank's expert indices [T, K], with every expert another rank
+    holds (expert_map -1) sent to `num_local_experts`, one past the last: it sorts after every local
+    expert, so its pairs fall past offs[-1], where no GEMM group reads or writes."""
+    local = expert_map[topk_ids]
+    return torch.where(local < 0, num_local_experts, local)
+
+
 def grouped_fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The grouped-GEMM path, unconditionally (the caller has checked `grouped_mm_supported`).
 
     x: [T, H], w13: [E, 2I, H] (rows [0, I) gate w1, rows [I, 2I) up w3), w2: [E, H, I],
     topk_weights: [T, K] float32, topk_ids: [T, K] long -> [T, H] in x.dtype.
+    expert_map: as in `naive.fused_moe` (expert parallelism: [E_global] long, -1 for another rank's
+    expert); the rows of other ranks' pairs are zeroed on the device, without a sync.
     Ids outside [0, E) are not checked (that would need a sync); their rows come out as garbage.
     Batches whose [T*K, max(H, 2I)] operand would pass MAX_OPERAND_ELEMENTS run in token chunks.
     """
@@ -123,9 +134,12 @@ def grouped_fused_moe(
     chunk = max(1, MAX_OPERAND_ELEMENTS // (top_k * max(hidden, 2 * inter)))
     if num_tokens > chunk:  # about 116k tokens on Kimi-Linear-48B-A3B
         return torch.cat([
-            grouped_fused_moe(x[s : s + chunk], w13, w2, topk_weights[s : s + chunk], topk_ids[s : s + chunk])
+            grouped_fused_moe(x[s : s + chunk], w13, w2, topk_weights[s : s + chunk], topk_ids[s : s + chunk],
+                              expert_map)
             for s in range(0, num_tokens, chunk)
         ])
+    if expert_map is not None:
+        topk_ids = local_expert_ids(topk_ids, expert_map, num_experts)
     order, offs = permute_by_expert(topk_ids, num_experts)
     x_sorted = x.index_select(0, order // top_k)  # [T*K, H]
     gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)  # [T*K, 2I]
@@ -133,6 +147,9 @@ def grouped_fused_moe(
     del gate_up
     y_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [T*K, H]
     del act
+    if expert_map is not None:  # rows past offs[-1] (other ranks' pairs) were never written
+        rows = torch.arange(y_sorted.shape[0], device=y_sorted.device)
+        y_sorted.masked_fill_((rows >= offs[-1]).unsqueeze(-1), 0)
     # x_sorted is dead after the first GEMM; reuse its memory for the pairs in (token, k) order
     pairs = x_sorted.index_copy_(0, order, y_sorted).view(num_tokens, top_k, hidden)
     # in-place mul computes in float32 (the weights' dtype) and rounds to x.dtype, like the reference
@@ -146,12 +163,14 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped GEMMs where `grouped_mm_supported`, else the reference expert loop.
 
     x: [T, H], w13: [E, 2I, H] ([w1; w3]), w2: [E, H, I], topk_weights: [T, K] float32,
     topk_ids: [T, K] long -> [T, H] in x.dtype: sum_k weight_k * w2_e(silu(w1_e x) * w3_e x).
+    expert_map: see `naive.fused_moe` (expert parallelism: only this rank's experts contribute).
     """
     if grouped_mm_supported(x, w13, w2):
-        return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return naive.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return grouped_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)
+    return naive.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)

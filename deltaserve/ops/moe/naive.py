@@ -61,11 +61,15 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the chosen SwiGLU experts, one expert at a time.
 
     x: [T, H], w13: [E, 2I, H] (rows [0, I) gate w1, rows [I, 2I) up w3), w2: [E, H, I],
     topk_weights: [T, K] float32, topk_ids: [T, K] long -> [T, H] in x.dtype.
+    expert_map (expert parallelism): [E_global] long, global expert id -> index into this rank's
+    w13/w2, or -1 for an expert another rank holds; topk_ids are then global ids, and pairs routed
+    to other ranks' experts contribute nothing here (a token with none of its experts here gets zeros).
 
     out[t] = sum_k topk_weights[t, k] * w2[e] (silu(w1[e] x[t]) * w3[e] x[t]), e = topk_ids[t, k].
     Like transformers' expert loop, experts are visited in ascending id; each expert's output is
@@ -76,7 +80,7 @@ def fused_moe(
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
-    flat_ids = topk_ids.reshape(-1)
+    flat_ids = topk_ids.reshape(-1) if expert_map is None else expert_map[topk_ids.reshape(-1)]
     flat_weights = topk_weights.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
     experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
@@ -84,6 +88,8 @@ def fused_moe(
     for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
         pairs = order[start : start + count]
         start += count
+        if expert < 0:  # held by another expert-parallel rank
+            continue
         tokens = pairs // top_k
         gate, up = F.linear(x[tokens], w13[expert]).split(inter, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert]) * flat_weights[pairs, None]
