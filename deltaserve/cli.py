@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `generate`, `serve`, `make-model`, `bench cache-sim` and `bench serve`."""
+"""The `deltaserve` command: `generate`, `serve`, `proxy`, `make-model`, `bench cache-sim` and `bench serve`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--enable-expert-parallel", dict(action="store_true",
                                       help="each TP rank holds num_experts / -tp whole MoE experts instead of a "
                                            "slice of every expert (no effect at -tp 1)")),
+    ("--kv-transfer-config", dict(default=None, metavar="JSON",
+                                  help='prefill/decode disaggregation, e.g. \'{"kv_connector": "NixlConnector", '
+                                       '"kv_role": "kv_producer"}\' (MooncakeConnector also; kv_role kv_consumer '
+                                       'for a decode server)')),
     ("--distributed-executor-backend", dict(default=None,
                                             help="uniproc | mp (default: mp with more than one rank)")),
     ("--nnodes", dict(type=int, default=1, help="nodes the ranks span (each runs world size / nnodes ranks)")),
@@ -126,6 +130,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, options)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from deltaserve.entrypoints.proxy import ProxyOptions, run_proxy
+
+    options = ProxyOptions(
+        prefill_urls=args.prefill, decode_urls=args.decode, host=args.host, port=args.port, policy=args.policy,
+        api_key=args.api_key, backend_api_key=args.backend_api_key, timeout_s=args.timeout, log_level=args.log_level,
+    )
+    return run_proxy(options.validate())  # a bad flag is a ValueError naming it, which main() prints
+
+
 def _run_worker_node(config: EngineConfig) -> int:
     from deltaserve.executor.worker_node import run_worker_node
 
@@ -183,12 +197,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(srv)
     srv.set_defaults(func=_cmd_serve)
 
+    proxy = sub.add_parser("proxy", help="a prefill/decode disaggregation proxy in front of deltaserve servers")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers (producers)")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers (consumers)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--policy", default="round_robin", help="round_robin | least_loaded (legs in flight)")
+    proxy.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    proxy.add_argument("--backend-api-key", default=None,
+                       help="send 'Authorization: Bearer KEY' to the backends (default: forward the client's header)")
+    proxy.add_argument("--timeout", type=float, default=600.0, help="seconds a leg may wait for its backend")
+    proxy.set_defaults(func=_cmd_proxy)
+
     make = sub.add_parser("make-model", help="write a random-weight Kimi Linear checkpoint")
     make.add_argument("--preset", required=True, help="tiny | small | kimi-linear-48b-a3b")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: the preset's)")
     make.set_defaults(func=_cmd_make_model)
+
+    from deltaserve.kv_transfer.topology import run_topology_command
+
+    topo = sub.add_parser("topology", help="check a prefill -> decode disaggregation topology (no GPU): "
+                                           "who reads which layers, heads and tokens, bytes and descriptors")
+    topo.add_argument("--prefill", required=True, help="the producer, e.g. pp=8,tp=1")
+    topo.add_argument("--decode", required=True, help="the consumer, e.g. tp=8,dcp=8")
+    topo.add_argument("--model", default="random:kimi-linear-48b-a3b", help="random:<preset> or a checkpoint dir")
+    topo.add_argument("--block-size", type=int, default=16, help="the producer's page, in tokens")
+    topo.add_argument("--decode-block-size", type=int, default=16, help="a decode rank's local page, in tokens")
+    topo.add_argument("--dcp-interleave", type=int, default=1, help="consecutive tokens per DCP rank")
+    topo.add_argument("--prompt-tokens", type=int, default=131072, help="the request the costs are given for")
+    topo.add_argument("--staging-chunk-pages", type=int, default=0, help="pages per MLA staging slot (0: off)")
+    topo.add_argument("--staging-slots", type=int, default=16, help="MLA staging slots per producer GPU")
+    topo.add_argument("--dtype", default="bfloat16", help="latent and conv dtype: bfloat16 | float16 | float32 | fp8")
+    topo.set_defaults(func=run_topology_command)
 
     bench = sub.add_parser("bench", help="benchmarks and planning tools")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -217,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parser.parse_args(argv)
     if args.log_level is None:
-        args.log_level = "INFO" if args.command == "serve" else "WARNING"
+        args.log_level = "INFO" if args.command in ("serve", "proxy") else "WARNING"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -55,6 +55,8 @@ class RequestOutput:
     prompt_logprobs: for a request with SamplingParams.prompt_logprobs, one entry per prompt token:
         None for the first, then {token_id: Logprob} holding that prompt token (given the tokens
         before it) and the top-k at its position; set from the first output on.
+    kv_transfer_params: under prefill/decode disaggregation, on a producer's finished output, what a
+        consumer needs to fetch this request's KV and KDA state (deltaserve/kv_transfer).
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Any = None
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return (

@@ -7,6 +7,7 @@ A plain dataclass (picklable): it travels from the API process to the workers. E
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -67,6 +68,8 @@ class SamplingParams:
         before it plus this many top logprobs at that position (0..20), in
         `RequestOutput.prompt_logprobs`. Such a request computes its whole prompt (no prefix-cache hit).
     detokenize: False skips text entirely (text is "", stop strings are not checked).
+    extra_args: extensions outside these fields, as vLLM's; "kv_transfer_params" (a dict) drives a KV
+        connector under prefill/decode disaggregation (deltaserve/kv_transfer).
     """
 
     n: int = 1
@@ -86,6 +89,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from deltaserve.config.parallel import ParallelConfig
 from deltaserve.core.checkpoint_grid import checkpoint_grid
@@ -81,6 +82,9 @@ class EngineConfig:
     master_port: int | None = None
     # per-GPU NUMA nodes, "0,0,1,1": each rank binds its CPUs to the node of its local GPU index
     numa_bind: str | None = None
+    # prefill/decode disaggregation (vLLM's --kv-transfer-config): a KVTransferConfig, its JSON text or a
+    # dict, e.g. {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}; None: no KV connector
+    kv_transfer_config: Any = None
     parallel: ParallelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +127,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         self._check_parallel_options()
         self._check_node_options()
+        self._check_kv_transfer()
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
@@ -147,6 +152,21 @@ class EngineConfig:
         """Tokens one scheduler block covers: block_size x decode_context_parallel_size (each DCP rank's
         page holds block_size of them)."""
         return self.block_size * self.decode_context_parallel_size
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_transfer_config is None:
+            return
+        from deltaserve.kv_transfer.config import KVTransferConfig
+
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world > 1:
+            raise ValueError(
+                f"kv_transfer_config ({self.kv_transfer_config.kv_connector}) is not built yet for more than one "
+                f"rank: tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}; run each side of the P/D pair at tensor_parallel_size=1 and "
+                "pipeline_parallel_size=1 for now"
+            )
 
     def _check_parallel_options(self) -> None:
         world = self.tensor_parallel_size * self.pipeline_parallel_size

@@ -12,6 +12,7 @@ from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # P/D consumer: blocks and a slot held, its load in flight
     PREEMPTED = enum.auto()
     # everything after this is finished
     FINISHED_STOPPED = enum.auto()
@@ -65,6 +66,11 @@ class Request:
     num_pending_outputs: int = 0  # tokens sampled by steps in flight, not applied yet
     prompt_logprobs: bool = False  # wants the logprob of every prompt token after the first
     num_prompt_logprob_rows: int = 0  # prompt positions [0, n) already scheduled to give their next token's
+    # P/D: a producer's finished request carries what its consumer needs (kv_transfer/metadata.py); a
+    # consumer's request records where its prompt was prefilled, and whether loading it failed
+    kv_transfer_params: dict[str, Any] | None = None
+    remote_source: Any = None
+    remote_load_failed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,12 @@ worker from the id it sampled), unless a length limit can have ended the request
 is off (pipeline parallelism: only the last stage holds the sampled id, so a decode waits for its
 token while prefill chunks still follow each other into the pipeline). With one step in flight there
 is never a placeholder when `schedule()` runs.
+
+Under prefill/decode disaggregation (`kv_connector`, deltaserve/kv_transfer): a producer's request
+that finishes for remote decode keeps its blocks and state slots (`held_for_transfer`) until its
+consumer releases them or the connector's timeout passes. A consumer's request prefilled remotely
+is admitted to blocks and slots for its prompt and waits (`WAITING_FOR_REMOTE_KVS`) while the
+worker loads them; then it runs with its prompt computed and the producer's first token appended.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from deltaserve.core.scheduler_output import (
     StateSave,
 )
 from deltaserve.core.state_pool import StateSlotPool
+from deltaserve.kv_transfer.metadata import KVConnectorOutput, LoadSpec
+from deltaserve.kv_transfer.scheduler_side import KVConnectorScheduler
 
 NO_HIT = PrefixHit(0, [], None, 0)
 
@@ -95,6 +103,8 @@ class StepUpdate:
 
     finished: list[Request] = field(default_factory=list)
     applied: set[str] = field(default_factory=set)
+    # P/D consumer: requests whose load finished this step; their first token (the producer's) is new
+    remote_started: list[Request] = field(default_factory=list)
 
 
 def boundary_key(request_id: str) -> str:
@@ -109,8 +119,13 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         state_pool: StateSlotPool,
         prefix_cache: PrefixCache | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
+        self.kv_connector = kv_connector
+        self.remote_waiting: dict[str, Request] = {}  # consumer: loads in flight
+        self._abandoned_loads: dict[str, Request] = {}  # consumer: aborted while loading, freed when it ends
+        self.held_for_transfer: dict[str, Request] = {}  # producer: finished, blocks kept for the consumer
         self.kv_cache_manager = kv_cache_manager
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
@@ -136,7 +151,12 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.remote_waiting)
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        """P/D: loads in flight or requests held for a consumer: the worker side must keep being polled."""
+        return bool(self.remote_waiting or self._abandoned_loads or self.held_for_transfer)
 
     @property
     def has_pending_saves(self) -> bool:
@@ -164,6 +184,14 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # its load may still write into its blocks: they are freed when the load ends
+                del self.remote_waiting[request_id]
+                self._abandoned_loads[request_id] = request
+                request.status = status
+                del self.requests[request_id]
+                self._announce_finished(request_id)
+                continue
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -172,11 +200,40 @@ class Scheduler:
         if status != RequestStatus.FINISHED_ABORTED:
             self._file_end_of_sequence(request)
         request.status = status
-        self._free(request)
+        if not self._hold_for_transfer(request, status):
+            self._free(request)
         del self.requests[request.request_id]
-        if request.request_id in self._announced:
-            self._announced.discard(request.request_id)
-            self._finished_since_last_step.append(request.request_id)
+        self._announce_finished(request.request_id)
+
+    def _announce_finished(self, request_id: str) -> None:
+        if request_id in self._announced:
+            self._announced.discard(request_id)
+            self._finished_since_last_step.append(request_id)
+
+    def _hold_for_transfer(self, request: Request, status: RequestStatus) -> bool:
+        """P/D producer: keep a request finished for remote decode (its blocks and slots) for its consumer."""
+        if self.kv_connector is None or status == RequestStatus.FINISHED_ABORTED:
+            return False
+        params = self.kv_connector.request_finished(
+            request, self.kv_cache_manager.block_ids(request.request_id), self.state_pool.slot_of(request.request_id))
+        if params is None:
+            return False
+        request.kv_transfer_params = params
+        self.held_for_transfer[request.request_id] = request
+        return True
+
+    def release_transfers(self, released: list[str]) -> int:
+        """P/D producer: free the held requests every consumer reader has released, and those no
+        consumer read within the connector's timeout. Returns how many were freed."""
+        if self.kv_connector is None:
+            return 0
+        freed = 0
+        for request_id in self.kv_connector.released(released) + self.kv_connector.expired():
+            request = self.held_for_transfer.pop(request_id, None)
+            if request is not None:
+                self._free(request)
+                freed += 1
+        return freed
 
     def _file_end_of_sequence(self, request: Request) -> None:
         """File the boundary slot's state (the last block boundary decode crossed) as a checkpoint."""
@@ -260,10 +317,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs):
             request = self.waiting[0]
             if self.state_pool.num_free < self.slots_per_request:
                 break
+            if self.kv_connector is not None and not request.remote_load_failed and request.remote_source is not None:
+                if not self._admit_remote(request, out):
+                    break
+                continue
             # a request that owes prompt logprobs computes its prompt (as vLLM's skip_reading_prefix_cache);
             # what it computes is still committed for others
             reads_cache = self.prefix_cache is not None and not request.skip_reading_prefix_cache
@@ -300,6 +362,7 @@ class Scheduler:
 
         self._commit_and_publish(record, out)
         self.in_flight[record.step_id] = record
+        meta = self.kv_connector.build_meta() if self.kv_connector is not None else None
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         return SchedulerOutput(
@@ -313,7 +376,75 @@ class Scheduler:
             state_loads=out.loads,
             state_saves_after=out.saves_after,
             state_copies_after=out.copies_after,
+            kv_connector_metadata=meta,
+            poll_kv_connector=self.has_pending_transfers,
         )
+
+    def _admit_remote(self, request: Request, out: _StepBuilder) -> bool:
+        """P/D consumer: blocks and slots for a remotely prefilled prompt, and its load ordered; False
+        (nothing changed) when they do not fit now."""
+        n = request.num_prompt_tokens
+        if not self.kv_cache_manager.can_allocate(request.request_id, n + 1, []):
+            return False
+        self.waiting.popleft()
+        slot = self.state_pool.allocate(request.request_id)
+        if self.prefix_cache is not None:
+            self.state_pool.allocate(boundary_key(request.request_id))
+        table = self.kv_cache_manager.allocate_slots(request.request_id, n, [])
+        assert slot is not None and table is not None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.remote_waiting[request.request_id] = request
+        assert self.kv_connector is not None
+        self.kv_connector.add_load(LoadSpec(request.request_id, list(table), slot, request.remote_source))
+        if request.request_id not in self._announced:
+            self._announced.add(request.request_id)
+            out.new_requests.append(
+                NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params))
+        return True
+
+    def _finish_loads(self, kv_output: KVConnectorOutput, update: StepUpdate) -> None:
+        """P/D consumer: a finished load makes its request run (its prompt computed, the producer's
+        first token appended); a failed one recomputes the prompt here or fails the request, by
+        kv_load_failure_policy."""
+        assert self.kv_connector is not None
+        for request_id in kv_output.finished_recving + list(kv_output.failed_recving):
+            abandoned = self._abandoned_loads.pop(request_id, None)
+            if abandoned is not None:
+                self._free(abandoned)
+        for request_id in kv_output.finished_recving:
+            request = self.remote_waiting.pop(request_id, None)
+            if request is None:
+                continue
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.output_token_ids.append(request.remote_source.first_token_id)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = 0
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            update.remote_started.append(request)
+            if self.prefix_cache is not None:
+                self.kv_cache_manager.commit(request_id, self.prefix_cache.block_hashes(request),
+                                             request.num_prompt_tokens)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                update.finished.append(request)
+        for request_id, reason in kv_output.failed_recving.items():
+            request = self.remote_waiting.pop(request_id, None)
+            if request is None:
+                continue
+            self._free(request)
+            if self.kv_connector.config.kv_load_failure_policy == "recompute":
+                request.remote_load_failed = True
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+            else:
+                request.stop_reason = f"kv load failed: {reason}"
+                request.status = RequestStatus.FINISHED_ABORTED
+                del self.requests[request_id]
+                self._announce_finished(request_id)
+                update.finished.append(request)
 
     def _still_filed(self, cp: Checkpoint) -> bool:
         assert self.prefix_cache is not None
@@ -412,7 +543,8 @@ class Scheduler:
             pc.checkpoints.publish(cp.block_hash)
             record.saved.append(cp)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> StepUpdate:
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int],
+                           kv_output: KVConnectorOutput | None = None) -> StepUpdate:
         """After the step ran (steps are reported in the order they were scheduled): unpin what it
         loaded, mark what it saved written, append each sampled token of a request still in the life
         it was scheduled in, and finish requests that hit a stop condition."""
@@ -432,6 +564,8 @@ class Scheduler:
                 request.boundary_num_tokens = boundary
 
         update = StepUpdate()
+        if kv_output is not None and self.kv_connector is not None:
+            self._finish_loads(kv_output, update)
         for chunk in scheduler_output.chunks:
             if not chunk.sample or chunk.request_id not in sampled:
                 continue
@@ -458,23 +592,27 @@ class Scheduler:
         accounted for: the tests and the fuzzer call this after every step."""
         kv = self.kv_cache_manager
         held: dict[int, int] = {}
+        transfers = {**self.remote_waiting, **self._abandoned_loads, **self.held_for_transfer}
         for request_id, table in kv._tables.items():
-            request = self.requests.get(request_id)
-            assert request is not None and request.status == RequestStatus.RUNNING, \
+            request = self.requests.get(request_id) or transfers.get(request_id)
+            assert request is not None and (request.status == RequestStatus.RUNNING or request_id in transfers), \
                 f"{request_id} holds KV blocks but is not running"
             for block in table:
                 held[block] = held.get(block, 0) + 1
         kv.pool.check_invariants(held)
-        expected_owners = {r.request_id for r in self.running}
+        holders = [r.request_id for r in self.running] + list(transfers)
+        expected_owners = set(holders)
         if self.prefix_cache is not None:
-            expected_owners |= {boundary_key(r.request_id) for r in self.running}
+            expected_owners |= {boundary_key(r) for r in holders}
         owners = set(self.state_pool._owner)
         assert owners == expected_owners, f"state slots held by {sorted(owners ^ expected_owners)} (running or not)"
         slots = list(self.state_pool._owner.values()) + self.state_pool._free
         assert sorted(slots) == list(range(self.state_pool.num_slots)), "a state slot is lost or held twice"
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
-        assert len(self.requests) == len(self.running) + len(self.waiting), "a request is neither running nor waiting"
+        assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.remote_waiting.values())
+        assert len(self.requests) == len(self.running) + len(self.waiting) + len(self.remote_waiting), \
+            "a request is neither running nor waiting"
         for request in self.requests.values():
             pending = sum(request.request_id in r.samples and r.lives[request.request_id] == request.num_preemptions
                           for r in self.in_flight.values())

@@ -103,7 +103,12 @@ class SchedulerOutput:
     state_loads: list[StateLoad] = field(default_factory=list)
     state_saves_after: list[StateSave] = field(default_factory=list)
     state_copies_after: list[StateCopy] = field(default_factory=list)
+    # P/D: the KV connector's loads to start (kv_transfer.metadata.KVConnectorMetadata), and whether the
+    # worker side must report finished transfers even in a step with nothing else to do
+    kv_connector_metadata: Any = None
+    poll_kv_connector: bool = False
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunks or self.finished_request_ids or self.state_saves_before)
+        return not (self.chunks or self.finished_request_ids or self.state_saves_before
+                    or self.kv_connector_metadata is not None or self.poll_kv_connector)

@@ -26,10 +26,11 @@ from deltaserve.core.checkpoint_pool import CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
-from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+from deltaserve.core.scheduler import Scheduler, SchedulerConfig, StepUpdate
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.core.stage_specs import model_wide_specs, plan_stage_caches
 from deltaserve.core.state_pool import StateSlotPool
+from deltaserve.kv_transfer.engine_side import KVTransferEngineSide
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, StepPromptLogprobs, TokenLogprobs
 
@@ -55,6 +56,7 @@ class EngineCoreOutput:
     stop_reason: the stop token id that ended it, if any.
     new_prompt_logprobs: the prompt logprobs the step computed (requests with prompt_logprobs); an
         output with these and no new token comes from a prefill chunk that did not sample.
+    kv_transfer_params: on a P/D producer's finished output, what its consumer needs (kv_transfer/).
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -109,10 +112,16 @@ class EngineCore:
         from deltaserve.executor.base import executor_class  # torch and the model: only where the core runs
 
         self.executor = executor_class(config.executor_backend)(config, model_config, model_dir, model)
+        self.kv_transfer: KVTransferEngineSide | None = None
         try:
             self._plan_caches(config, max_model_len)
+            if config.kv_transfer_config is not None:
+                self.kv_transfer = KVTransferEngineSide.start(config.kv_transfer_config, self.executor.kv_layouts(),
+                                                              config.scheduler_block_size)
             self._build_scheduler(config, max_model_len)
         except BaseException:
+            if self.kv_transfer is not None:
+                self.kv_transfer.close()
             self.executor.shutdown()
             raise
         self._timings: dict[str, _Timing] = {}
@@ -176,6 +185,7 @@ class EngineCore:
             kv_manager,
             StateSlotPool(self.cache_plan.num_state_slots),
             self.prefix_cache,
+            self.kv_transfer.scheduler if self.kv_transfer is not None else None,
         )
 
     def _plan_caches(self, config: EngineConfig, max_model_len: int) -> None:
@@ -221,6 +231,8 @@ class EngineCore:
             sampling_params=params,
             prompt_logprobs=params.prompt_logprobs is not None,
         )
+        if self.kv_transfer is not None:  # a P/D consumer's request names where its prompt was prefilled
+            request.remote_source = self.kv_transfer.scheduler.remote_source(params, request.num_prompt_tokens)
         self.scheduler.add_request(request)
         self._timings[req.request_id] = _Timing(req.arrival_time)
 
@@ -256,6 +268,7 @@ class EngineCore:
         sampled in the applied step (none when no step was applied), and the turn's statistics.
         """
         stats = IterationStats()
+        self.poll_transfers()
         queue = self._batch_queue
         if len(queue) < self.batch_queue_size and self._has_work_to_schedule():
             scheduler_output = self.scheduler.schedule()
@@ -269,6 +282,12 @@ class EngineCore:
             return [], stats
         scheduler_output, handle = queue.popleft()
         return self._apply(scheduler_output, handle.get_output(), stats), stats
+
+    def poll_transfers(self) -> None:
+        """P/D producer: free the requests its consumers have read (or that timed out). Cheap; the
+        server's loop also calls it while idle, so held requests are freed without a step."""
+        if self.kv_transfer is not None:
+            self.scheduler.release_transfers(self.kv_transfer.drain_released())
 
     def _launch(self, scheduler_output: SchedulerOutput, stats: IterationStats) -> AsyncModelRunnerOutput:
         if scheduler_output.is_empty:
@@ -286,7 +305,8 @@ class EngineCore:
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                stats: IterationStats) -> list[EngineCoreOutput]:
-        update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request())
+        update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request(),
+                                                   runner_output.kv_connector_output)
         finished = {r.request_id: r for r in update.finished}
         prompt_logprobs = dict(runner_output.prompt_logprobs)
         now = time.time()
@@ -308,9 +328,13 @@ class EngineCore:
             if request_id in finished:
                 out.finish_reason = request.finish_reason
                 out.stop_reason = request.stop_reason
+                out.kv_transfer_params = request.kv_transfer_params
+                if out.kv_transfer_params is not None and lp is not None:  # P/D: the consumer reports them
+                    out.kv_transfer_params["first_token_logprobs"] = [lp.token_ids, lp.logprobs, lp.rank]
                 stats.finished.append(self._finished_stats(request, timing, now))
                 del self._timings[request_id]
             outputs.append(out)
+        outputs += self._remote_outputs(update, finished, stats, now)
         for request_id, plp in prompt_logprobs.items():
             # a chunk that did not sample, or whose sample was dropped: the request preempted since
             # still keeps these, which were computed right and are never scheduled again
@@ -318,6 +342,34 @@ class EngineCore:
             if request is not None and request_id in self._timings:
                 outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=plp,
                                                 num_cached_tokens=request.num_cached_tokens or 0))
+        return outputs
+
+    def _remote_outputs(self, update: StepUpdate, finished: dict[str, Request], stats: IterationStats,
+                        now: float) -> list[EngineCoreOutput]:
+        """P/D consumer: the producer's first token of each request whose load finished this step
+        (with its logprobs when the producer sent them); a load that failed under the "fail" policy
+        ends its request with an error."""
+        outputs = []
+        for request in update.remote_started:
+            timing = self._timings.get(request.request_id)
+            if timing is None:
+                continue
+            self._record_token(stats, request, timing, now)
+            lp = request.remote_source.first_token_logprobs
+            out = EngineCoreOutput(request.request_id, [request.output_token_ids[0]],
+                                   [TokenLogprobs(*lp)] if lp is not None and request.sampling_params.logprobs
+                                   else None, num_cached_tokens=request.num_cached_tokens or 0)
+            if request.request_id in finished:
+                out.finish_reason, out.stop_reason = request.finish_reason, request.stop_reason
+                stats.finished.append(self._finished_stats(request, timing, now))
+                del self._timings[request.request_id]
+            outputs.append(out)
+        for request in update.finished:
+            if (request.remote_source is not None and request.status == RequestStatus.FINISHED_ABORTED
+                    and request.request_id in self._timings):
+                del self._timings[request.request_id]
+                assert self.kv_transfer is not None
+                self.kv_transfer.note_failure(request.request_id, str(request.stop_reason))
         return outputs
 
     @staticmethod
@@ -398,4 +450,6 @@ class EngineCore:
         return metrics
 
     def shutdown(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.executor.shutdown()

@@ -9,6 +9,9 @@ between processes of one server on one host:
     core -> front end: ("outputs", [EngineCoreOutput]) | ("error", request_id, message)
                        | ("aborted", request_id, message) | ("reply", call_id, result)
 
+An EngineCoreOutput pickles whole, so a P/D producer's `kv_transfer_params` (set on its finished
+output) reaches the front end, which puts it on the finished `RequestOutput`.
+
 "error" refuses a request the core cannot take (the front end answers 400); "aborted" ends one the
 core gave up on (503).
 
@@ -188,6 +191,7 @@ class EngineCoreProc:
                 break
             self._abort_silent_frontends()
             if not self.core.has_unfinished_requests():
+                self.core.poll_transfers()  # a P/D producer frees what its consumers have read
                 self._maybe_log()
                 continue
             self._step_started = time.monotonic()
@@ -208,6 +212,11 @@ class EngineCoreProc:
                     del self._owners[out.request_id]
             for identity, outs in by_owner.items():
                 self._send(identity, ("outputs", outs))
+            if self.core.kv_transfer is not None:  # P/D consumer: loads that failed under the "fail" policy
+                for request_id, message in self.core.kv_transfer.take_failures():
+                    identity = self._owners.pop(request_id, None)
+                    if identity is not None:
+                        self._send(identity, ("aborted", request_id, message))
             self._maybe_log()
         self.shutdown()
 

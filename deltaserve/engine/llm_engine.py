@@ -13,7 +13,7 @@ from typing import Any
 
 from deltaserve.config.engine_config import EngineConfig
 from deltaserve.core.request import RequestStatus
-from deltaserve.engine.core import EngineCore
+from deltaserve.engine.core import EngineCore, EngineCoreOutput
 from deltaserve.engine.output_processor import OutputProcessor
 from deltaserve.engine.processor import InputProcessor, ModelInfo, PromptInput
 from deltaserve.outputs import RequestOutput
@@ -104,6 +104,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that produced a token."""
         core_outputs, _ = self.core.step()
+        if self.core.kv_transfer is not None:  # P/D consumer: a failed load ends its request ("fail" policy)
+            core_outputs += [EngineCoreOutput(request_id, [], finish_reason="abort", stop_reason=message)
+                             for request_id, message in self.core.kv_transfer.take_failures()]
         outputs, stopped_by_string = self.output_processor.process(core_outputs)
         if stopped_by_string:
             self.core.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)

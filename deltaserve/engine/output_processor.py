@@ -92,7 +92,10 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished:
                 del self._states[out.request_id]
-            results.append(self._make_output(state, finished, finish_reason, stop_reason))
+            output = self._make_output(state, finished, finish_reason, stop_reason)
+            if finished:
+                output.kv_transfer_params = out.kv_transfer_params
+            results.append(output)
         return results, stopped_by_string
 
     def _add_prompt_logprobs(self, state: _RequestState, new: StepPromptLogprobs) -> None:

@@ -65,6 +65,11 @@ class Executor(ABC):
         """The cache layout of the first stage (all of the model at one stage)."""
         return self.stage_cache_specs()[0]
 
+    def kv_layouts(self) -> list[Any]:
+        """P/D: every rank's registered caches (kv_transfer.layout.RankLayout), in rank order; empty
+        without a KV connector."""
+        return []
+
     def metrics(self) -> dict[str, Any]:
         """Executor numbers for `EngineCore.get_metrics()["executor"]` (plain data; none by default)."""
         return {}

@@ -46,3 +46,10 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self.worker.execute_model(scheduler_output, non_block)
+
+    def kv_layouts(self) -> list:
+        layout = self.worker.kv_layout()
+        return [] if layout is None else [layout]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, StepPromptLogprobs] = field(default_factory=dict)
+    kv_connector_output: Any = None  # P/D: kv_transfer.metadata.KVConnectorOutput, loads finished or failed
 
     def sampled_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -13,6 +15,7 @@ from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.distributed.dcp_layout import DCPLayout
+from deltaserve.kv_transfer.worker_side import KVConnectorWorker
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
@@ -52,6 +55,7 @@ class Worker:
         self.dtype = resolve_dtype(engine_config.dtype, model_config)
         self.model: KimiLinearForCausalLM | None = None
         self.runner: ModelRunner | None = None
+        self.kv_connector: KVConnectorWorker | None = None  # P/D: built once the caches exist
         dcp = self.parallel.decode_context_parallel_size
         # decode context parallelism: this rank stores its stripe of every sequence's MLA latents
         self.dcp = (DCPLayout(dcp, self.parallel.decode_context_parallel_rank, engine_config.block_size,
@@ -137,6 +141,10 @@ class Worker:
             store = StateCheckpointStore(tensors, plan.num_checkpoint_units, plan.checkpoint_unit_bytes)
             assert self.runner is not None
             self.runner.state_store = store
+        transfer = self.engine_config.kv_transfer_config
+        if transfer is not None:
+            self.kv_connector = KVConnectorWorker(transfer, self.parallel, bs)
+            self.kv_connector.register(self.model)
         if self.parallel.pipeline_parallel_size > 1:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
         elif self.dcp is not None:
@@ -173,4 +181,21 @@ class Worker:
                       non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Run one step; with non_block, return once it is queued (see ModelRunner.execute)."""
         assert self.runner is not None, "load_model() first"
-        return self.runner.execute(scheduler_output, non_block)
+        connector = self.kv_connector
+        if connector is None:
+            return self.runner.execute(scheduler_output, non_block)
+        connector.start_loads(scheduler_output.kv_connector_metadata)
+        output = self.runner.execute(scheduler_output, non_block)
+        transfers = connector.poll()  # after the forward: the loads ran beside it
+        if isinstance(output, ModelRunnerOutput):
+            return dataclasses.replace(output, kv_connector_output=transfers)
+        return AsyncModelRunnerOutput(lambda: dataclasses.replace(output.get_output(), kv_connector_output=transfers))
+
+    def kv_layout(self) -> Any:
+        """This rank's registered caches (kv_transfer.layout.RankLayout), or None without a KV connector."""
+        return None if self.kv_connector is None else self.kv_connector.layout
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None

@@ -104,6 +104,8 @@ class _SamplingRequest(_RequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's P/D field: handed to the engine's KV connector as SamplingParams.extra_args["kv_transfer_params"]
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -142,6 +144,13 @@ class _SamplingRequest(_RequestModel):
 
     _no_logit_bias = field_validator("logit_bias", mode="after")(_must_be_empty)
 
+    @field_validator("kv_transfer_params", mode="before")
+    @classmethod
+    def _check_kv_transfer_params(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, dict):
+            raise _invalid(f"kv_transfer_params must be an object or null, not {_kind(value)}")
+        return value
+
     @property
     def requested_max_tokens(self) -> int | None:
         """The client's cap on generated tokens; None means up to the context length."""
@@ -171,6 +180,7 @@ class _SamplingRequest(_RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params},
         )
 
 
@@ -349,6 +359,11 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: return the sampled tokens' logprobs; top_logprobs (0..20, needs logprobs) adds alternatives.
     tools, tool_choice, response_format: accepted only at values that need no tool calling or
     constrained decoding (no tools, tool_choice none/auto, response_format text).
+    prompt_token_ids (deltaserve's): the prompt as token ids, used instead of rendering `messages`
+        (which are still validated, and must still hold a message), so a P/D decode leg runs exactly the
+        prompt its prefill leg ran; the chat template fields are then not used.
+    return_token_ids (vLLM's): each choice also carries its generated `token_ids` (when streaming, the
+        new ids of each chunk) and its `prompt_token_ids` (when streaming, in the choice's first chunk).
     """
 
     messages: list[ChatMessageParam] = Field(min_length=1)
@@ -365,8 +380,17 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    prompt_token_ids: list[TokenId] | None = None
 
     _no_tools = field_validator("tools", mode="after")(_must_be_empty)
+
+    @field_validator("prompt_token_ids", mode="after")
+    @classmethod
+    def _check_prompt_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not value:
+            raise _invalid("prompt_token_ids must not be an empty list; send null to render messages instead")
+        return value
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -563,6 +587,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a P/D producer's, for its consumer
 
 
 class CompletionStreamResponse(BaseModel):
@@ -574,6 +599,7 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # on the last chunk only (sent only when set)
 
 
 class ChatCompletionTopLogprob(BaseModel):
@@ -604,13 +630,16 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionResponseChoice(BaseModel):
-    """One chat completion; stop_reason is the stop string or token id that ended it, if any."""
+    """One chat completion; stop_reason is the stop string or token id that ended it, if any.
+    token_ids and prompt_token_ids are set only for a request with return_token_ids."""
 
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -623,6 +652,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a P/D producer's, for its consumer
 
 
 class DeltaMessage(BaseModel):
@@ -633,13 +663,16 @@ class DeltaMessage(BaseModel):
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):
-    """One choice of a streamed chat chunk."""
+    """One choice of a streamed chat chunk; with return_token_ids, its new token_ids, and the
+    prompt_token_ids in the choice's first chunk (sent only for such a request)."""
 
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -651,6 +684,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # on the last chunk only (sent only when set)
 
 
 class ModelCard(BaseModel):

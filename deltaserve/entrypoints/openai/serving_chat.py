@@ -1,4 +1,7 @@
-"""POST /v1/chat/completions: messages through the checkpoint's chat template, n samples, streamed or not."""
+"""POST /v1/chat/completions: messages through the checkpoint's chat template, n samples, streamed or not.
+
+A request with `prompt_token_ids` (a P/D decode leg) runs those ids as its prompt and renders nothing.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from deltaserve.entrypoints.openai.serving_common import (
     ServingContext,
     cancel_on_disconnect,
     collect_outputs,
+    kv_transfer_params,
     make_usage,
     new_id,
     plan_sub_requests,
@@ -122,17 +126,21 @@ class ChatHandler:
     async def __call__(self, body: ChatCompletionRequest, raw_request: Request):
         model = self.ctx.resolve_model(body.model)
         params = self.ctx.sampling_params(body)
-        prompt = await self._render(body)
+        if body.prompt_token_ids is not None:
+            prompt: str | list[int] = list(body.prompt_token_ids)
+            prompt_param = "prompt_token_ids"
+        else:
+            prompt, prompt_param = await self._render(body), "messages"
         request_id = new_id("chatcmpl")
         planned = await plan_sub_requests(self.ctx, request_id, [prompt], params, body.n, body.requested_max_tokens,
-                                    time.time(), prompt_param="messages")
+                                          time.time(), prompt_param=prompt_param)
         top_k = (body.top_logprobs or 0) if body.logprobs else -1
         if body.stream:
-            return sse_response(self._stream(request_id, model, planned, body.n, top_k, body.include_usage))
+            return sse_response(self._stream(request_id, model, planned, body, top_k))
 
         async def work() -> ChatCompletionResponse:
             finals = await collect_outputs(self.ctx, planned)
-            return self._response(request_id, model, finals, body.n, top_k)
+            return self._response(request_id, model, finals, body, top_k)
 
         response = await cancel_on_disconnect(raw_request, work)
         return JSONResponse(response.model_dump())
@@ -147,9 +155,10 @@ class ChatHandler:
         return await self.ctx.cpu_work.run("rendering the chat template", "messages", render_chat, tokenizer, body,
                                            kwargs)
 
-    def _response(self, request_id: str, model: str, finals: dict[int, RequestOutput], n: int, top_k: int,
-                  ) -> ChatCompletionResponse:
+    def _response(self, request_id: str, model: str, finals: dict[int, RequestOutput], body: ChatCompletionRequest,
+                  top_k: int) -> ChatCompletionResponse:
         choices = []
+        with_ids = body.return_token_ids
         for choice in sorted(finals):
             completion = finals[choice].outputs[0]
             logprobs = None
@@ -158,17 +167,24 @@ class ChatHandler:
             choices.append(ChatCompletionResponseChoice(
                 index=choice, message=ChatMessage(role="assistant", content=completion.text), logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                prompt_token_ids=list(finals[choice].prompt_token_ids) if with_ids else None,
+                token_ids=list(completion.token_ids) if with_ids else None,
             ))
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage(finals, n))
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage(finals, body.n),
+                                      kv_transfer_params=kv_transfer_params(finals))
 
-    async def _stream(self, request_id: str, model: str, planned: list, n: int, top_k: int,
-                      include_usage: bool) -> AsyncGenerator[str, None]:
+    async def _stream(self, request_id: str, model: str, planned: list, body: ChatCompletionRequest,
+                      top_k: int) -> AsyncGenerator[str, None]:
         created = now_s()
         finals: dict[int, RequestOutput] = {}
+        with_ids = body.return_token_ids
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None,
+                  last: bool = False) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
-                                                    usage=usage))
+                                                    usage=usage,
+                                                    kv_transfer_params=kv_transfer_params(finals) if last else None),
+                       token_ids=with_ids)
 
         for choice, _, _ in planned:  # the role comes first, as in OpenAI's streams
             yield chunk([ChatCompletionResponseStreamChoice(
@@ -178,11 +194,14 @@ class ChatHandler:
             logprobs = None
             if top_k >= 0 and d.logprobs is not None:
                 logprobs = chat_logprobs(d.logprobs, d.token_ids, top_k)
-            if not d.text and not d.output.finished and logprobs is None:
+            if not d.text and not d.output.finished and logprobs is None and not (with_ids and d.token_ids):
                 continue
+            last = len(finals) == len(planned) and d.output.finished and not body.include_usage
             yield chunk([ChatCompletionResponseStreamChoice(
                 index=d.choice, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
                 logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-            )])
-        if include_usage:
-            yield chunk([], make_usage(finals, n))
+                prompt_token_ids=list(d.output.prompt_token_ids) if with_ids and d.first else None,
+                token_ids=list(d.token_ids) if with_ids else None,
+            )], last=last)
+        if body.include_usage:
+            yield chunk([], make_usage(finals, body.n), last=True)

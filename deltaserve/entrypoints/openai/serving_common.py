@@ -223,9 +223,27 @@ async def stream_deltas(ctx: ServingContext, planned: list[tuple[int, str | None
         yield Delta(choice, output, text, completion.token_ids[start:], logprobs, first)
 
 
-def sse(payload: Any) -> str:
-    """One server-sent event carrying a pydantic model."""
-    return f"data: {payload.model_dump_json()}\n\n"
+_TOKEN_ID_FIELDS = {"prompt_token_ids", "token_ids"}
+
+
+def sse(payload: Any, token_ids: bool = True) -> str:
+    """One server-sent event carrying a pydantic model. A null `kv_transfer_params` (set on a stream's
+    last chunk only) is left out, and so are the choices' token-id fields when `token_ids` is False."""
+    exclude: dict[str, Any] = {}
+    if "kv_transfer_params" in type(payload).model_fields and payload.kv_transfer_params is None:
+        exclude["kv_transfer_params"] = True
+    if not token_ids:
+        exclude["choices"] = {"__all__": _TOKEN_ID_FIELDS}
+    return f"data: {payload.model_dump_json(exclude=exclude or None)}\n\n"
+
+
+def kv_transfer_params(finals: dict[int, RequestOutput]) -> dict[str, Any] | None:
+    """A response's top-level kv_transfer_params: those of its first choice that has any (a P/D
+    producer's finished output carries them; one prompt, and in practice n=1, under P/D)."""
+    for choice in sorted(finals):
+        if finals[choice].kv_transfer_params is not None:
+            return finals[choice].kv_transfer_params
+    return None
 
 
 def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:

@@ -30,6 +30,7 @@ from deltaserve.entrypoints.openai.serving_common import (
     ServingContext,
     cancel_on_disconnect,
     collect_outputs,
+    kv_transfer_params,
     make_usage,
     new_id,
     plan_sub_requests,
@@ -133,7 +134,8 @@ class CompletionHandler:
                 prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
                 token_ids=list(completion.token_ids) if with_ids else None,
             ))
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage(finals, body.n))
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=make_usage(finals, body.n),
+                                  kv_transfer_params=kv_transfer_params(finals))
 
     async def _stream(self, request_id: str, model: str, planned: list, body: CompletionRequest,
                       echo_texts: dict[int, str]) -> AsyncGenerator[str, None]:
@@ -161,7 +163,10 @@ class CompletionHandler:
                 prompt_token_ids=list(d.output.prompt_token_ids) if with_ids and d.first else None,
                 token_ids=list(d.token_ids) if with_ids else None,
             )
-            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
+            last = len(finals) == len(planned) and d.output.finished and not body.include_usage
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                               kv_transfer_params=kv_transfer_params(finals) if last else None))
         if body.include_usage:
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                               usage=make_usage(finals, body.n)))
+                                               usage=make_usage(finals, body.n),
+                                               kv_transfer_params=kv_transfer_params(finals)))

@@ -1,0 +1,89 @@
+"""`--kv-transfer-config`: which KV connector an engine runs and in which role (vLLM's fields)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+CONNECTORS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}  # name -> transfer backend
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """kv_connector: "NixlConnector" or "MooncakeConnector"; kv_role: "kv_producer" (a prefill engine:
+    it keeps a finished request's KV and KDA state until its consumer has read them),
+    "kv_consumer" (a decode engine: it reads them) or "kv_both"; kv_ip / kv_port: where this engine's
+    side channel listens (its transfer metadata and the consumers' release notices; port 0 picks a
+    free one); engine_id: this engine's name in kv_transfer_params; kv_load_failure_policy: what a
+    consumer does when a load fails ("recompute" the prompt locally, or "fail" the request);
+    transfer_timeout_s: how long a producer holds a request no consumer has read.
+    staging_chunk_pages and chunked_transfer are the transfer options of the issue that are not
+    built yet: anything but their defaults is refused."""
+
+    kv_connector: str
+    kv_role: str
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    kv_load_failure_policy: str = "recompute"
+    transfer_timeout_s: float = 120.0
+    staging_chunk_pages: int = 0
+    chunked_transfer: bool = False
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer_config: kv_connector={self.kv_connector!r} is unknown; choose one of "
+                             f"{', '.join(CONNECTORS)}")
+        if self.kv_role not in ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role={self.kv_role!r} must be one of {', '.join(ROLES)}")
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config: kv_load_failure_policy={self.kv_load_failure_policy!r} must be "
+                             f"one of {', '.join(FAILURE_POLICIES)}")
+        if not (isinstance(self.kv_port, int) and 0 <= self.kv_port < 65536):
+            raise ValueError(f"kv_transfer_config: kv_port={self.kv_port!r} must be a TCP port (0: a free one)")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"kv_transfer_config: transfer_timeout_s={self.transfer_timeout_s} must be positive")
+        if self.staging_chunk_pages:
+            raise ValueError("kv_transfer_config: staging_chunk_pages is not built yet (MLA staging for DCP "
+                             "consumers); leave it at 0")
+        if self.chunked_transfer:
+            raise ValueError("kv_transfer_config: chunked_transfer is not built yet; leave it false")
+
+    @property
+    def backend(self) -> str:
+        return CONNECTORS[self.kv_connector]
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
+        """From the JSON text of --kv-transfer-config, a dict, or a config; ValueError names what is wrong."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        for name in ("kv_connector", "kv_role"):
+            if name not in value:
+                raise ValueError(f"kv_transfer_config needs {name!r}")
+        return cls(**value)

@@ -1,0 +1,124 @@
+"""The side channel between a P/D producer and its consumers: ZeroMQ, JSON messages.
+
+The producer's engine core binds one ROUTER socket (kv_ip:kv_port) served by a thread. A consumer
+rank asks it for the producer's cache layouts (`handshake`: every producer rank's `RankLayout`,
+keyed by (pp_rank, tp_rank)), and, once its reads of a request are done, says so (`release`,
+naming the request, itself and how many consumer ranks read that request). A request is released
+when all its readers have said so; the producer's scheduler side then frees its blocks and slot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from typing import Any
+
+import zmq
+
+from deltaserve.kv_transfer.layout import RankLayout
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+REQUEST_TIMEOUT_MS = 10_000
+
+
+class ProducerSideChannel:
+    """Answers handshakes with `layouts` and collects releases; `drain_released()` takes them."""
+
+    def __init__(self, host: str, port: int, engine_id: str, layouts: list[RankLayout]) -> None:
+        self.engine_id = engine_id
+        self._handshake = json.dumps({"engine_id": engine_id,
+                                      "layouts": [layout.to_json() for layout in layouts]}).encode()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._socket.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.host = host
+        self._readers: dict[str, set[str]] = {}
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(POLL_MS):
+                continue
+            identity, *frames = self._socket.recv_multipart()
+            try:
+                reply = self._answer(json.loads(frames[-1]))
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                reply = json.dumps({"error": f"bad side-channel message: {e!r}"}).encode()
+            self._socket.send_multipart([identity, b"", reply])
+        self._socket.close(0)
+        self._context.term()
+
+    def _answer(self, message: dict[str, Any]) -> bytes:
+        kind = message["kind"]
+        if kind == "handshake":
+            return self._handshake
+        if kind == "release":
+            request_id, reader, readers = str(message["request_id"]), str(message["reader"]), int(message["readers"])
+            done = self._readers.setdefault(request_id, set())
+            done.add(reader)
+            if len(done) >= readers:
+                del self._readers[request_id]
+                self._released.put(request_id)
+            return b'{"ok": true}'
+        raise ValueError(f"unknown kind {kind!r}")
+
+    def drain_released(self) -> list[str]:
+        """Requests every reader has released since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._released.get_nowait())
+            except queue.Empty:
+                return out
+
+    def forget(self, request_id: str) -> None:
+        """Drops partial releases of a request the producer freed anyway (its timeout passed)."""
+        self._readers.pop(request_id, None)  # a stale entry at worst; only the serving thread adds
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class SideChannelError(RuntimeError):
+    """The producer's side channel did not answer, or answered with an error."""
+
+
+def ask(host: str, port: int, message: dict[str, Any], timeout_ms: int = REQUEST_TIMEOUT_MS) -> dict[str, Any]:
+    """One request to a producer's side channel and its JSON answer; SideChannelError when the
+    producer does not answer within `timeout_ms` (it may be gone) or answers with an error."""
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    try:
+        socket.connect(f"tcp://{host}:{port}")
+        socket.send(json.dumps(message).encode())
+        reply = json.loads(socket.recv())
+    except zmq.Again:
+        raise SideChannelError(f"the producer's side channel at {host}:{port} did not answer "
+                               f"{message['kind']!r} within {timeout_ms / 1000:.0f} s") from None
+    finally:
+        socket.close(0)
+    if "error" in reply:
+        raise SideChannelError(f"the producer's side channel at {host}:{port}: {reply['error']}")
+    return reply
+
+
+def handshake(host: str, port: int) -> tuple[str, list[RankLayout]]:
+    """The producer's engine id and every producer rank's cache layout."""
+    reply = ask(host, port, {"kind": "handshake"})
+    return str(reply["engine_id"]), [RankLayout.from_json(layout) for layout in reply["layouts"]]

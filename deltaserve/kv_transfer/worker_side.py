@@ -1,0 +1,168 @@
+"""The KV connector's worker side: one per rank, beside the model's caches.
+
+It registers the rank's cache tensors with a transfer agent (`register`, after the caches are
+allocated) and describes them as a `RankLayout`. On a producer that is all: consumers read its
+memory one-sidedly, and its engine core's side channel hands out the layouts. On a consumer it
+starts the loads each step orders (`start_loads`): a handshake with the producer once per engine
+(its layouts, then `add_peer` per producer rank), then one READ per producer rank holding layers
+this rank needs. `poll` reports the loads that finished or failed since the last call; a rank that
+has read a request tells the producer (`release`), whatever the outcome, so it can free the request.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from deltaserve.config.parallel import ParallelConfig
+from deltaserve.kv_transfer.config import KVTransferConfig
+from deltaserve.kv_transfer.layout import RankLayout, TensorRows, load_ops, missing_layers
+from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from deltaserve.kv_transfer.side_channel import SideChannelError, ask, handshake
+from deltaserve.kv_transfer.transfer_engine import TransferAgent, TransferError, TransferHandle, make_agent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Producer:
+    """A producer engine this rank has shaken hands with: its ranks' layouts and agent peer names."""
+
+    engine_id: str
+    layouts: list[RankLayout]
+    peers: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    handles: list[TransferHandle]
+    deadline: float
+
+
+class KVConnectorWorker:
+    def __init__(self, config: KVTransferConfig, parallel: ParallelConfig, block_size: int) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.block_size = block_size
+        self.agent: TransferAgent | None = None
+        self.layout: RankLayout | None = None
+        self._producers: dict[tuple[str, int], _Producer] = {}
+        self._loads: dict[str, _Load] = {}
+        self._failed: dict[str, str] = {}
+        self.reader_name = f"{config.engine_id}:pp{parallel.pipeline_parallel_rank}tp{parallel.tensor_parallel_rank}"
+
+    def register(self, model) -> RankLayout:
+        """Registers every cache tensor of `model` (its caches bound) and returns this rank's layout."""
+        name = f"{self.config.engine_id}-pp{self.parallel.pipeline_parallel_rank}-tp" \
+               f"{self.parallel.tensor_parallel_rank}-{uuid.uuid4().hex[:6]}"
+        device = next(iter(model.parameters())).device
+        if device.type != "cpu":
+            raise ValueError(f"kv_transfer_config: moving caches on {device.type} is not built yet (the transfer "
+                             "agents register host memory); run the P/D pair with --device cpu for now")
+        self.agent = make_agent(self.config.backend, name, self.config.kv_ip)
+        mla, kda = {}, {}
+        for key, layer in model.layers.items():
+            attn = layer.self_attn
+            if layer.is_kda:
+                kda[int(key)] = (TensorRows.of(attn.conv_state), TensorRows.of(attn.recurrent_state))
+            else:
+                mla[int(key)] = TensorRows.of(attn.kv_cache)
+        layout = RankLayout(self.parallel.pipeline_parallel_rank, self.parallel.tensor_parallel_rank,
+                            self.parallel.tensor_parallel_size, self.block_size, "", mla, kda)
+        self.agent.register(layout.regions())
+        metadata = base64.b64encode(self.agent.metadata()).decode()
+        self.layout = RankLayout(layout.pp_rank, layout.tp_rank, layout.tp_size, layout.block_size, metadata, mla, kda)
+        return self.layout
+
+    # Consumer --------------------------------------------------------------------------------
+    def _producer(self, host: str, port: int, engine_id: str) -> _Producer:
+        known = self._producers.get((host, port))
+        if known is not None and known.engine_id == engine_id:
+            return known
+        assert self.agent is not None and self.layout is not None
+        found_id, layouts = handshake(host, port)
+        if found_id != engine_id:
+            raise SideChannelError(f"the side channel at {host}:{port} belongs to engine {found_id!r}, not "
+                                   f"{engine_id!r} (the producer restarted?)")
+        mine = [r for r in layouts if (r.tp_size, r.tp_rank) == (self.layout.tp_size, self.layout.tp_rank)]
+        if not mine:
+            sizes = sorted({r.tp_size for r in layouts})
+            raise ValueError(f"this decode rank (tp_rank {self.layout.tp_rank} of tensor_parallel_size="
+                             f"{self.layout.tp_size}) has no producer rank with the same split (producer "
+                             f"tensor_parallel_size={sizes}): only equal TP sizes are paired so far")
+        mla, kda = missing_layers(self.layout, mine)
+        if mla or kda:
+            raise ValueError(f"the producer holds no cache for layers {sorted(mla | kda)} of this decode rank "
+                             "(a different model?)")
+        producer = _Producer(engine_id, mine)
+        for remote in mine:
+            producer.peers[(remote.pp_rank, remote.tp_rank)] = self.agent.add_peer(remote.agent_bytes)
+        self._producers[(host, port)] = producer
+        return producer
+
+    def start_loads(self, meta: KVConnectorMetadata | None) -> None:
+        """Posts the reads of every load `meta` orders (a failure is reported by the next `poll`)."""
+        if meta is None:
+            return
+        for spec in meta.loads:
+            try:
+                self._start(spec)
+            except (SideChannelError, TransferError, ValueError) as e:
+                logger.warning("kv transfer: load of request %s from %s:%d failed to start: %s", spec.request_id,
+                               spec.source.host, spec.source.port, e)
+                self._failed[spec.request_id] = str(e)
+                self._release(spec)
+
+    def _start(self, spec: LoadSpec) -> None:
+        assert self.agent is not None and self.layout is not None
+        source = spec.source
+        producer = self._producer(source.host, source.port, source.engine_id)
+        handles = []
+        for remote in producer.layouts:
+            ops = load_ops(self.layout, remote, spec.block_ids, source.block_ids, spec.state_slot,
+                           source.state_slot, source.num_tokens)
+            if ops:
+                handles.append(self.agent.read(producer.peers[(remote.pp_rank, remote.tp_rank)], ops))
+        self._loads[spec.request_id] = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s)
+
+    def poll(self) -> KVConnectorOutput:
+        """Loads finished or failed since the last call (each reported once)."""
+        assert self.agent is not None
+        out = KVConnectorOutput(failed_recving=self._failed)
+        self._failed = {}
+        now = time.monotonic()
+        for request_id, load in list(self._loads.items()):
+            try:
+                done = all([self.agent.poll(h) for h in load.handles])
+                if not done and now > load.deadline:
+                    raise TransferError(f"not done after transfer_timeout_s={self.config.transfer_timeout_s}")
+            except TransferError as e:
+                logger.warning("kv transfer: load of request %s failed: %s", request_id, e)
+                out.failed_recving[request_id] = str(e)
+            else:
+                if not done:
+                    continue
+                out.finished_recving.append(request_id)
+            del self._loads[request_id]
+            self._release(load.spec)
+        out.loads_in_flight = len(self._loads)
+        return out
+
+    def _release(self, spec: LoadSpec) -> None:
+        """Tells the producer this rank is done with the request (it frees it once every reader is)."""
+        source = spec.source
+        try:
+            ask(source.host, source.port, {"kind": "release", "request_id": source.request_id,
+                                           "reader": self.reader_name, "readers": self.parallel.world_size},
+                timeout_ms=2000)
+        except SideChannelError as e:  # the producer frees it after its own timeout
+            logger.warning("kv transfer: could not release request %s on its producer: %s", source.request_id, e)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
