@@ -158,15 +158,16 @@ class EngineConfig:
             return
         from deltaserve.kv_transfer.config import KVTransferConfig
 
-        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
-        world = self.tensor_parallel_size * self.pipeline_parallel_size
-        if world > 1:
-            raise ValueError(
-                f"kv_transfer_config ({self.kv_transfer_config.kv_connector}) is not built yet for more than one "
-                f"rank: tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
-                f"{self.pipeline_parallel_size}; run each side of the P/D pair at tensor_parallel_size=1 and "
-                "pipeline_parallel_size=1 for now"
-            )
+        transfer = self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        sizes = (f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
+                 f"{self.pipeline_parallel_size}, decode_context_parallel_size={self.decode_context_parallel_size}")
+        if transfer.is_consumer and self.pipeline_parallel_size > 1:
+            raise ValueError(f"kv_transfer_config: a {transfer.kv_role} (decode) engine cannot run pipeline "
+                             f"parallel ({sizes}): run the decode as TP x DCP, pipeline_parallel_size=1")
+        if transfer.is_producer and self.decode_context_parallel_size > 1:
+            raise ValueError(f"kv_transfer_config: a {transfer.kv_role} (prefill) engine cannot run decode "
+                             f"context parallelism ({sizes}): run the prefill as PP x TP, "
+                             "decode_context_parallel_size=1")
 
     def _check_parallel_options(self) -> None:
         world = self.tensor_parallel_size * self.pipeline_parallel_size

@@ -24,6 +24,7 @@ message names the rank that died rather than the peer whose collective broke.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ from deltaserve.executor.node_monitor import PROBE_S, NodeLaunch, NodeMonitor
 from deltaserve.executor.rank_process import RankLaunch, RankReady, rank_main
 from deltaserve.executor.transport import EndpointPlan, EngineChannels
 from deltaserve.executor.worker_node import describe_exit
+from deltaserve.kv_transfer.metadata import KVOutputAggregator
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class MultiprocExecutor(Executor):
         self._sync_token, self._synced = 0, set()
         self._failed: str | None = None
         self._closed = False
+        self._kv_layouts: list[Any] = []  # P/D: each rank's registered caches, once allocated
+        self._kv_outputs = KVOutputAggregator(self.world_size) if engine_config.kv_transfer_config else None
         self._monitor: NodeMonitor | None = None
         port = engine_config.master_port
         endpoints = (EndpointPlan.from_master(engine_config.master_addr or "127.0.0.1", port) if port is not None
@@ -179,7 +183,9 @@ class MultiprocExecutor(Executor):
         """Every rank allocates `plan` and reports its view of the joint checkpoint spec; every view must
         equal `checkpoint_spec` (the engine's), else ValueError naming the stage."""
         self._broadcast(("init_cache", plan, [state for _, state in self.stage_cache_specs()]))
-        views = dict(enumerate(self._gather("cache_ready")))
+        replies = self._gather("cache_ready")
+        views = {rank: view for rank, (view, _) in enumerate(replies)}
+        self._kv_layouts = [layout for _, layout in replies if layout is not None]
         if checkpoint_spec is None:
             return
         for rank in self._ranks:
@@ -188,6 +194,9 @@ class MultiprocExecutor(Executor):
                 raise ValueError(f"{rank.describe()} allocated no checkpoint units, but the engine planned "
                                  f"{plan.num_checkpoint_units}")
             check_agreement(checkpoint_spec, {rank.pp_rank: view})
+
+    def kv_layouts(self) -> list[Any]:
+        return list(self._kv_layouts)
 
     @property
     def device_name(self) -> str:
@@ -258,8 +267,13 @@ class MultiprocExecutor(Executor):
             self._fail(payload[0])
         elif kind == "output":
             step_id, output, busy_s, steps = payload
+            if self._kv_outputs is not None:  # P/D: a load is done once every rank has done its share
+                self._kv_outputs.add(sender, output.kv_connector_output)
+                output = dataclasses.replace(output, kv_connector_output=self._kv_outputs.take())
             self._outputs[step_id] = output
             self._stage_busy[self.pp - 1] = (busy_s, steps)
+        elif kind == "kv" and self._kv_outputs is not None:
+            self._kv_outputs.add(sender, payload[0])
         elif kind == "busy":
             self._stage_busy[sender // self.tp] = payload
         elif kind == "synced":

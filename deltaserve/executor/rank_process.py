@@ -14,10 +14,11 @@ to every rank; a reader thread drains them into a queue, so the engine never blo
 busy in a collective, and leaves if this process's parent (its node's launcher) is gone.
 Engine -> rank: ("sync", n), ("init_cache", plan, stage state specs), ("step", SchedulerOutput),
 ("shutdown",). Rank -> engine, each tagged with the rank: ("synced", n), ("ready", RankReady),
-("cache_ready", JointCheckpointSpec | None), ("output", step_id, ModelRunnerOutput, busy_s, steps)
-from the output rank, ("busy", busy_s, steps) after each step from TP rank 0 of every other stage
-(busy_s: seconds spent inside `worker.execute_model`, steps: steps run, both since start), and
-("error", traceback text).
+("cache_ready", (JointCheckpointSpec | None, RankLayout | None)), ("output", step_id,
+ModelRunnerOutput, busy_s, steps) from the output rank, ("busy", busy_s, steps) after each step from
+TP rank 0 of every other stage (busy_s: seconds spent inside `worker.execute_model`, steps: steps
+run, both since start), ("kv", KVConnectorOutput) from any other rank whose P/D loads finished or
+failed in a step, and ("error", traceback text).
 """
 
 from __future__ import annotations
@@ -199,8 +200,12 @@ def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, channels: RankChan
             steps += 1
             if is_output_rank:  # its counters ride on the output: nothing else to wait for
                 channels.send("output", scheduler_output.step_id, output, busy_s, steps)
-            elif ready.tp_rank == 0:
-                channels.send("busy", busy_s, steps)
+            else:
+                transfers = output.kv_connector_output  # P/D: this rank's share of the loads
+                if transfers is not None and (transfers.finished_recving or transfers.failed_recving):
+                    channels.send("kv", transfers)
+                if ready.tp_rank == 0:
+                    channels.send("busy", busy_s, steps)
         elif kind == "sync":
             channels.send("synced", message[1])
         elif kind == "init_cache":
@@ -210,6 +215,6 @@ def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, channels: RankChan
             joint = None
             if plan.num_checkpoint_units:
                 joint = _check_checkpoint_spec(ready, stage_specs, plan.checkpoint_unit_bytes)
-            channels.send("cache_ready", joint)
+            channels.send("cache_ready", (joint, worker.kv_layout()))
         else:
             raise ValueError(f"rank {ready.rank}: unknown message {kind!r} from the engine")

@@ -8,18 +8,18 @@ model layer id the base address and row size of each cache tensor:
 Layers are matched between producer and consumer by their model layer id, not by their position in
 a stage, so a consumer finds each layer on whichever producer stage holds it.
 
-`load_ops` turns a request's producer blocks and slot into (local, remote, nbytes) ops for a
-consumer whose caches are split like the producer's (the same TP rank and block size); the
-head-split and DCP-striped reads of heterogeneous pairings are `kv_transfer/topology.py`'s plan.
+A layout also says how the rank splits the model: its TP rank of `tp_size` (KDA heads split over TP,
+`kda_heads` of them here), and under decode context parallelism its DCP rank of `dcp_size` with
+the interleave (which of a request's tokens its pages hold). `kv_transfer/pairing.py` turns a
+producer's layouts and a consumer rank's into the reads of one request.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from deltaserve.kv_transfer.transfer_engine import TransferOp
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,26 @@ class RankLayout:
     pp_rank: int
     tp_rank: int
     tp_size: int
-    block_size: int  # tokens per MLA page row
+    block_size: int  # tokens per MLA page row (a DCP rank's local page)
     agent_metadata: str  # the transfer agent's metadata(), base64
     mla: dict[int, TensorRows] = field(default_factory=dict)
     kda: dict[int, tuple[TensorRows, TensorRows]] = field(default_factory=dict)
+    kda_heads: int = 0  # KDA heads this rank holds (every KDA layer alike)
+    pp_size: int = 1
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    dcp_interleave: int = 1
 
     @property
     def agent_bytes(self) -> bytes:
         return base64.b64decode(self.agent_metadata)
+
+    def with_metadata(self, agent_metadata: str) -> RankLayout:
+        return dataclasses.replace(self, agent_metadata=agent_metadata)
+
+    def describe(self) -> str:
+        dcp = f", dcp_rank {self.dcp_rank} of {self.dcp_size}" if self.dcp_size > 1 else ""
+        return f"pp_rank {self.pp_rank}, tp_rank {self.tp_rank} of tensor_parallel_size={self.tp_size}{dcp}"
 
     def regions(self) -> list[tuple[int, int]]:
         """Every cache tensor as (address, nbytes), to register with the transfer agent."""
@@ -78,53 +90,8 @@ class RankLayout:
                 str(data["agent_metadata"]),
                 {int(k): TensorRows(**v) for k, v in data["mla"].items()},
                 {int(k): (TensorRows(**c), TensorRows(**r)) for k, (c, r) in data["kda"].items()},
+                int(data["kda_heads"]), int(data["pp_size"]), int(data["dcp_size"]), int(data["dcp_rank"]),
+                int(data["dcp_interleave"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a producer's cache layout is malformed ({e!r})") from None
-
-
-def load_ops(local: RankLayout, remote: RankLayout, local_blocks: list[int], remote_blocks: list[int],
-             local_slot: int, remote_slot: int, num_tokens: int) -> list[TransferOp]:
-    """Ops that copy a request's first `num_tokens` latents and its KDA state from `remote` (one
-    producer rank) into `local`, for every layer both hold.
-
-    Both sides must split layers alike (same TP rank of the same TP size) and page alike (same
-    block size): blocks then map one to one, the last one partly filled. ValueError otherwise.
-    """
-    if (local.tp_size, local.tp_rank) != (remote.tp_size, remote.tp_rank):
-        raise ValueError(f"a consumer at tp_rank {local.tp_rank} of tensor_parallel_size={local.tp_size} reads a "
-                         f"producer at tp_rank {remote.tp_rank} of tensor_parallel_size={remote.tp_size}: only equal "
-                         "TP splits are built so far")
-    if local.block_size != remote.block_size:
-        raise ValueError(f"the consumer's block_size={local.block_size} differs from the producer's "
-                         f"{remote.block_size}; run both with the same --block-size")
-    num_blocks = -(-num_tokens // local.block_size)
-    if len(local_blocks) < num_blocks or len(remote_blocks) < num_blocks:
-        raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks on each side "
-                         f"(consumer {len(local_blocks)}, producer {len(remote_blocks)})")
-    ops: list[TransferOp] = []
-    for layer_id, here in local.mla.items():
-        there = remote.mla.get(layer_id)
-        if there is None:
-            continue
-        token_bytes = here.row_bytes // local.block_size
-        for i in range(num_blocks):
-            tokens = min(local.block_size, num_tokens - i * local.block_size)
-            ops.append((here.row(local_blocks[i]), there.row(remote_blocks[i]), tokens * token_bytes))
-    for layer_id, pair in local.kda.items():
-        other = remote.kda.get(layer_id)
-        if other is None:
-            continue
-        for here, there in zip(pair, other, strict=True):
-            if here.row_bytes != there.row_bytes:
-                raise ValueError(f"KDA layer {layer_id}: a state row is {here.row_bytes} bytes here and "
-                                 f"{there.row_bytes} on the producer (different models or dtypes)")
-            ops.append((here.row(local_slot), there.row(remote_slot), here.row_bytes))
-    return ops
-
-
-def missing_layers(local: RankLayout, remotes: list[RankLayout]) -> tuple[set[int], set[int]]:
-    """The consumer's MLA and KDA layer ids that no producer rank holds (empty when all are covered)."""
-    mla = set(local.mla) - {layer for r in remotes for layer in r.mla}
-    kda = set(local.kda) - {layer for r in remotes for layer in r.kda}
-    return mla, kda

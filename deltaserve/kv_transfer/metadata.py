@@ -91,3 +91,38 @@ class KVConnectorOutput:
         self.finished_recving += other.finished_recving
         self.failed_recving.update(other.failed_recving)
         self.loads_in_flight = other.loads_in_flight
+
+
+class KVOutputAggregator:
+    """Joins the KVConnectorOutputs of an engine's ranks (the multi-process executor). Every rank
+    reads its own share of a request, so the request's load is finished once every rank reported it
+    finished, and failed once every rank reported it and one of them failed (no rank still writes
+    into its blocks when the scheduler frees or reuses them)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._reports: dict[str, dict[int, str | None]] = {}  # request -> rank -> None (done) or why it failed
+        self._in_flight: dict[int, int] = {}
+
+    def add(self, rank: int, output: KVConnectorOutput | None) -> None:
+        if output is None:
+            return
+        for request_id in output.finished_recving:
+            self._reports.setdefault(request_id, {})[rank] = None
+        for request_id, why in output.failed_recving.items():
+            self._reports.setdefault(request_id, {})[rank] = f"rank {rank}: {why}"
+        self._in_flight[rank] = output.loads_in_flight
+
+    def take(self) -> KVConnectorOutput:
+        """The requests every rank has reported since the last call."""
+        out = KVConnectorOutput(loads_in_flight=max(self._in_flight.values(), default=0))
+        for request_id, reports in list(self._reports.items()):
+            if len(reports) < self.world_size:
+                continue
+            del self._reports[request_id]
+            failures = [why for why in reports.values() if why is not None]
+            if failures:
+                out.failed_recving[request_id] = "; ".join(failures)
+            else:
+                out.finished_recving.append(request_id)
+        return out

@@ -50,9 +50,6 @@ class KVConnectorScheduler:
         if source.num_tokens != num_prompt_tokens:
             raise ValueError(f"kv_transfer_params: remote_num_tokens={source.num_tokens} but the prompt has "
                              f"{num_prompt_tokens} tokens (the decode leg must send the prefill's prompt token ids)")
-        if source.block_size != self.block_size:
-            raise ValueError(f"kv_transfer_params: the producer's block_size={source.block_size} differs from "
-                             f"this engine's {self.block_size}; run both with the same --block-size")
         if len(source.block_ids) * source.block_size < source.num_tokens:
             raise ValueError("kv_transfer_params: remote_block_ids do not cover remote_num_tokens")
         return source

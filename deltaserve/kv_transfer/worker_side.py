@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from deltaserve.config.parallel import ParallelConfig
 from deltaserve.kv_transfer.config import KVTransferConfig
-from deltaserve.kv_transfer.layout import RankLayout, TensorRows, load_ops, missing_layers
+from deltaserve.kv_transfer.layout import RankLayout, TensorRows
 from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from deltaserve.kv_transfer.pairing import Pairing, RankKey, pair_ranks, request_ops
 from deltaserve.kv_transfer.side_channel import SideChannelError, ask, handshake
 from deltaserve.kv_transfer.transfer_engine import TransferAgent, TransferError, TransferHandle, make_agent
 
@@ -29,11 +30,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Producer:
-    """A producer engine this rank has shaken hands with: its ranks' layouts and agent peer names."""
+    """A producer engine this rank has shaken hands with: what it reads there, and agent peer names."""
 
     engine_id: str
-    layouts: list[RankLayout]
-    peers: dict[tuple[int, int], str] = field(default_factory=dict)
+    pairing: Pairing
+    peers: dict[RankKey, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -44,10 +45,13 @@ class _Load:
 
 
 class KVConnectorWorker:
-    def __init__(self, config: KVTransferConfig, parallel: ParallelConfig, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, parallel: ParallelConfig, block_size: int,
+                 dcp_interleave: int = 1) -> None:
+        """block_size: tokens per local MLA page; dcp_interleave: consecutive tokens per DCP rank."""
         self.config = config
         self.parallel = parallel
         self.block_size = block_size
+        self.dcp_interleave = dcp_interleave
         self.agent: TransferAgent | None = None
         self.layout: RankLayout | None = None
         self._producers: dict[tuple[str, int], _Producer] = {}
@@ -64,18 +68,20 @@ class KVConnectorWorker:
             raise ValueError(f"kv_transfer_config: moving caches on {device.type} is not built yet (the transfer "
                              "agents register host memory); run the P/D pair with --device cpu for now")
         self.agent = make_agent(self.config.backend, name, self.config.kv_ip)
-        mla, kda = {}, {}
+        mla, kda, heads = {}, {}, 0
         for key, layer in model.layers.items():
             attn = layer.self_attn
             if layer.is_kda:
                 kda[int(key)] = (TensorRows.of(attn.conv_state), TensorRows.of(attn.recurrent_state))
+                heads = attn.num_heads
             else:
                 mla[int(key)] = TensorRows.of(attn.kv_cache)
-        layout = RankLayout(self.parallel.pipeline_parallel_rank, self.parallel.tensor_parallel_rank,
-                            self.parallel.tensor_parallel_size, self.block_size, "", mla, kda)
+        p = self.parallel
+        layout = RankLayout(p.pipeline_parallel_rank, p.tensor_parallel_rank, p.tensor_parallel_size, self.block_size,
+                            "", mla, kda, heads, p.pipeline_parallel_size, p.decode_context_parallel_size,
+                            p.decode_context_parallel_rank, self.dcp_interleave)
         self.agent.register(layout.regions())
-        metadata = base64.b64encode(self.agent.metadata()).decode()
-        self.layout = RankLayout(layout.pp_rank, layout.tp_rank, layout.tp_size, layout.block_size, metadata, mla, kda)
+        self.layout = layout.with_metadata(base64.b64encode(self.agent.metadata()).decode())
         return self.layout
 
     # Consumer --------------------------------------------------------------------------------
@@ -88,19 +94,11 @@ class KVConnectorWorker:
         if found_id != engine_id:
             raise SideChannelError(f"the side channel at {host}:{port} belongs to engine {found_id!r}, not "
                                    f"{engine_id!r} (the producer restarted?)")
-        mine = [r for r in layouts if (r.tp_size, r.tp_rank) == (self.layout.tp_size, self.layout.tp_rank)]
-        if not mine:
-            sizes = sorted({r.tp_size for r in layouts})
-            raise ValueError(f"this decode rank (tp_rank {self.layout.tp_rank} of tensor_parallel_size="
-                             f"{self.layout.tp_size}) has no producer rank with the same split (producer "
-                             f"tensor_parallel_size={sizes}): only equal TP sizes are paired so far")
-        mla, kda = missing_layers(self.layout, mine)
-        if mla or kda:
-            raise ValueError(f"the producer holds no cache for layers {sorted(mla | kda)} of this decode rank "
-                             "(a different model?)")
-        producer = _Producer(engine_id, mine)
-        for remote in mine:
-            producer.peers[(remote.pp_rank, remote.tp_rank)] = self.agent.add_peer(remote.agent_bytes)
+        pairing = pair_ranks(self.layout, layouts)
+        logger.info("kv transfer: paired with producer %s at %s:%d: %s", engine_id, host, port, pairing.describe())
+        producer = _Producer(engine_id, pairing)
+        for key, remote in pairing.sources.items():
+            producer.peers[key] = self.agent.add_peer(remote.agent_bytes)
         self._producers[(host, port)] = producer
         return producer
 
@@ -122,11 +120,11 @@ class KVConnectorWorker:
         source = spec.source
         producer = self._producer(source.host, source.port, source.engine_id)
         handles = []
-        for remote in producer.layouts:
-            ops = load_ops(self.layout, remote, spec.block_ids, source.block_ids, spec.state_slot,
-                           source.state_slot, source.num_tokens)
-            if ops:
-                handles.append(self.agent.read(producer.peers[(remote.pp_rank, remote.tp_rank)], ops))
+        ops = request_ops(producer.pairing, spec.block_ids, source.block_ids, source.block_size, spec.state_slot,
+                          source.state_slot, source.num_tokens)
+        for key, rank_ops in ops.items():
+            if rank_ops:
+                handles.append(self.agent.read(producer.peers[key], rank_ops))
         self._loads[spec.request_id] = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s)
 
     def poll(self) -> KVConnectorOutput:

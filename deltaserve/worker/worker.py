@@ -143,7 +143,8 @@ class Worker:
             self.runner.state_store = store
         transfer = self.engine_config.kv_transfer_config
         if transfer is not None:
-            self.kv_connector = KVConnectorWorker(transfer, self.parallel, bs)
+            self.kv_connector = KVConnectorWorker(transfer, self.parallel, bs,
+                                                  self.engine_config.dcp_kv_cache_interleave_size)
             self.kv_connector.register(self.model)
         if self.parallel.pipeline_parallel_size > 1:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")

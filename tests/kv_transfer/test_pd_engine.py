@@ -6,7 +6,7 @@ decodes. Greedy tokens must equal a colocated engine's, logprobs within 1e-4, wi
 both sides, multi-chunk prompts and a second turn; afterwards nothing is held on either side. Also:
 a consumer that never reads (the producer frees after its timeout), a producer gone before the read
 ("recompute" recomputes the prompt, "fail" ends the request), malformed kv_transfer_params and the
-refusal of P/D with more than one rank.
+refusal of a PP consumer and a DCP producer. Multi-rank pairings: test_pd_parallel.py.
 """
 
 from __future__ import annotations
@@ -166,9 +166,12 @@ def test_bad_transfer_params_are_refused_naming_the_field(pair):
 
 
 def test_config_refusals():
-    with pytest.raises(ValueError, match="not built yet for more than one rank: tensor_parallel_size=2"):
-        LLM(**COMMON, tensor_parallel_size=2, kv_transfer_config={"kv_connector": "NixlConnector",
-                                                                   "kv_role": "kv_producer"})
+    with pytest.raises(ValueError, match="kv_consumer \\(decode\\) engine cannot run pipeline parallel"):
+        LLM(**COMMON, pipeline_parallel_size=2, kv_transfer_config={"kv_connector": "NixlConnector",
+                                                                     "kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="kv_producer \\(prefill\\) engine cannot run decode context"):
+        LLM(**COMMON, tensor_parallel_size=2, decode_context_parallel_size=2,
+            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
     with pytest.raises(ValueError, match="kv_connector='Lmcache' is unknown"):
         LLM(**COMMON, kv_transfer_config='{"kv_connector": "Lmcache", "kv_role": "kv_producer"}')
     with pytest.raises(ValueError, match="unknown field"):
