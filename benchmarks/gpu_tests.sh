@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# The GPU tests on the device (one H200): install the carried wheels (.whl: fla; .whl/srv: the
-# server's), then run the test files given as arguments (default: every GPU test that changed
-# recently), printing pytest's summary and the parity tests' token agreement.
+# The GPU tests on the device: install the carried wheels (.whl: fla; .whl/srv: the server's),
+# then run each test file given as an argument (default: every GPU test) in its own pytest with
+# its own time limit, printing each file's summary as it ends and keeping the full logs in $OUT
+# (a single pytest over every file ran past the device's per-call limit with nothing printed).
 set -uo pipefail
 shopt -s nullglob
 wheels=(.whl/*.whl .whl/srv/*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "${wheels[@]}" >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+logs=${OUT:-/tmp}
+per_file_limit=${PER_FILE_LIMIT:-150}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"
 if [ $# -eq 0 ]; then
-  # only the GPU tests of these files: their CPU tests run transformers, which fla's import breaks on CPU tensors
-  set -- -k "gpu or cuda" tests/test_parity.py tests/test_prompt_logprobs.py tests/worker/test_model_runner.py \
-    tests/distributed/test_multiproc_gpu.py tests/test_accuracy_gate.py
+  set -- tests/test_parity.py tests/distributed/test_multiproc_gpu.py tests/test_accuracy_gate.py \
+    tests/test_prompt_logprobs.py tests/worker/test_model_runner.py
 fi
-python3 -m pytest -q -p no:cacheprovider -s -rfEs --durations=10 "$@" 2>&1 \
-  | grep -E "agreeing|divergence|accuracy gate|passed|failed|FAILED|ERROR|Error|SKIPPED|s (call|setup)" | tail -n 80
+for test_file in "$@"; do
+  log="$logs/$(basename "$test_file" .py).log"
+  # only the GPU tests: the CPU tests of these files run transformers, which fla's import breaks on CPU tensors
+  timeout "$per_file_limit" python3 -m pytest -q -p no:cacheprovider -s -rfEs --durations=3 -k "gpu or cuda" \
+    "$test_file" >"$log" 2>&1
+  echo "== $test_file rc=$?"
+  grep -E "agreeing|divergence|accuracy gate|FAILED|ERROR" "$log" | head -n 20
+  tail -n 2 "$log"
+done

@@ -16,7 +16,7 @@ from deltaserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-GPU_LOGPROB_TOL = 2e-2  # as tests/test_parity.py: fla's TF32 dots
+GPU_LOGPROB_TOL = 5e-2  # as tests/test_parity.py: fla's TF32 dots
 OPTIONS = dict(dtype="float32", device="cuda", cache_memory="256MiB", max_num_batched_tokens=64)
 
 
