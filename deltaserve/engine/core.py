@@ -288,6 +288,7 @@ class EngineCore:
         server's loop also calls it while idle, so held requests are freed without a step."""
         if self.kv_transfer is not None:
             self.scheduler.release_transfers(self.kv_transfer.drain_released())
+            self.kv_transfer.drop_stale_releases()
 
     def _launch(self, scheduler_output: SchedulerOutput, stats: IterationStats) -> AsyncModelRunnerOutput:
         if scheduler_output.is_empty:
@@ -427,6 +428,8 @@ class EngineCore:
                 **self.executor.metrics(),  # the mp executor: each stage's busy seconds and steps
             },
         }
+        if self.kv_transfer is not None:
+            metrics["kv_transfer"] = self.kv_transfer.metrics()
         pc = self.prefix_cache
         if pc is not None:
             stats = dataclasses.asdict(pc.stats)

@@ -46,6 +46,12 @@ class KVTransferEngineSide:
         """Producer: requests whose consumer readers have all released them since the last call."""
         return self.side_channel.drain_released() if self.side_channel is not None else []
 
+    def drop_stale_releases(self) -> None:
+        """Producer: partial releases of requests no longer held (freed after their timeout) are dropped."""
+        if self.side_channel is not None:
+            held = self.scheduler.held
+            self.side_channel.forget([r for r in self.side_channel.partially_released() if r not in held])
+
     def note_failure(self, request_id: str, message: str) -> None:
         self._failures.append((request_id, message))
 
@@ -56,7 +62,8 @@ class KVTransferEngineSide:
 
     def metrics(self) -> dict[str, Any]:
         return {"role": self.config.kv_role, "held_for_transfer": len(self.scheduler.held),
-                "expired_transfers": self.scheduler.num_expired}
+                "expired_transfers": self.scheduler.num_expired,
+                "partially_released": self.side_channel.num_partially_released if self.side_channel else 0}
 
     def close(self) -> None:
         if self.side_channel is not None:

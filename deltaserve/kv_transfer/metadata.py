@@ -85,11 +85,13 @@ class KVConnectorOutput:
 
     finished_recving: list[str] = field(default_factory=list)  # consumer: requests whose load completed
     failed_recving: dict[str, str] = field(default_factory=dict)  # consumer: request id -> why its load failed
+    refused: set[str] = field(default_factory=set)  # of failed_recving: the layouts cannot pair (never recompute)
     loads_in_flight: int = 0
 
     def merge(self, other: KVConnectorOutput) -> None:
         self.finished_recving += other.finished_recving
         self.failed_recving.update(other.failed_recving)
+        self.refused |= other.refused
         self.loads_in_flight = other.loads_in_flight
 
 
@@ -102,6 +104,7 @@ class KVOutputAggregator:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._reports: dict[str, dict[int, str | None]] = {}  # request -> rank -> None (done) or why it failed
+        self._refused: set[str] = set()
         self._in_flight: dict[int, int] = {}
 
     def add(self, rank: int, output: KVConnectorOutput | None) -> None:
@@ -111,6 +114,7 @@ class KVOutputAggregator:
             self._reports.setdefault(request_id, {})[rank] = None
         for request_id, why in output.failed_recving.items():
             self._reports.setdefault(request_id, {})[rank] = f"rank {rank}: {why}"
+        self._refused |= output.refused
         self._in_flight[rank] = output.loads_in_flight
 
     def take(self) -> KVConnectorOutput:
@@ -123,6 +127,9 @@ class KVOutputAggregator:
             failures = [why for why in reports.values() if why is not None]
             if failures:
                 out.failed_recving[request_id] = "; ".join(failures)
+                if request_id in self._refused:
+                    out.refused.add(request_id)
             else:
                 out.finished_recving.append(request_id)
+            self._refused.discard(request_id)
         return out

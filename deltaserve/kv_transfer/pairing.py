@@ -43,6 +43,11 @@ class Pairing:
                 f"[{self.head_offset}, {self.head_offset + self.local.kda_heads}) of {self.producer_heads}")
 
 
+class PairingError(ValueError):
+    """A producer and a consumer whose parallel layouts cannot be paired: a configuration error, so
+    the request fails naming both sides whatever kv_load_failure_policy says."""
+
+
 def _sizes(local: RankLayout, remotes: list[RankLayout]) -> str:
     first = remotes[0]
     return (f"(prefill pipeline_parallel_size={first.pp_size} x tensor_parallel_size={first.tp_size}, decode "
@@ -51,37 +56,37 @@ def _sizes(local: RankLayout, remotes: list[RankLayout]) -> str:
 
 def pair_ranks(local: RankLayout, remotes: list[RankLayout]) -> Pairing:
     """The producer ranks (`remotes`: every rank of the producer engine) that consumer rank `local`
-    reads; ValueError naming both sides' sizes when the pair cannot be served."""
+    reads; PairingError naming both sides' sizes when the pair cannot be served."""
     if not remotes:
-        raise ValueError("the producer registered no cache layouts")
+        raise PairingError("the producer registered no cache layouts")
     sizes = _sizes(local, remotes)
     if local.pp_size > 1:
-        raise ValueError(f"a pipeline-parallel decode cannot consume transferred KV {sizes}; run the decode "
+        raise PairingError(f"a pipeline-parallel decode cannot consume transferred KV {sizes}; run the decode "
                          "at pipeline_parallel_size=1")
     if len({r.tp_size for r in remotes}) != 1 or any(r.dcp_size > 1 for r in remotes):
-        raise ValueError(f"the producer's ranks disagree on their TP size or run DCP {sizes}; a prefill "
+        raise PairingError(f"the producer's ranks disagree on their TP size or run DCP {sizes}; a prefill "
                          "runs PP x TP without decode context parallelism")
     producer_tp = remotes[0].tp_size
     if local.tp_size % producer_tp:
-        raise ValueError(f"decode tensor_parallel_size={local.tp_size} is not a multiple of prefill "
+        raise PairingError(f"decode tensor_parallel_size={local.tp_size} is not a multiple of prefill "
                          f"tensor_parallel_size={producer_tp} {sizes}: each decode rank reads its KDA heads "
                          "from one prefill TP rank")
     ratio = local.tp_size // producer_tp
     producer_rank = local.tp_rank // ratio
     mine = {(r.pp_rank, r.tp_rank): r for r in remotes if r.tp_rank == producer_rank}
     if not mine:
-        raise ValueError(f"no producer rank has tp_rank {producer_rank}, the head group of decode tp_rank "
+        raise PairingError(f"no producer rank has tp_rank {producer_rank}, the head group of decode tp_rank "
                          f"{local.tp_rank} {sizes}")
     producer_heads = {r.kda_heads for r in mine.values() if r.kda}
     if local.kda and producer_heads != {ratio * local.kda_heads}:
-        raise ValueError(f"decode tp_rank {local.tp_rank} holds {local.kda_heads} KDA heads, which do not lie "
+        raise PairingError(f"decode tp_rank {local.tp_rank} holds {local.kda_heads} KDA heads, which do not lie "
                          f"inside prefill tp_rank {producer_rank}'s head group of {sorted(producer_heads)} heads "
                          f"{sizes} (a different model?)")
     mla_source = {layer: key for key, r in mine.items() for layer in r.mla if layer in local.mla}
     kda_source = {layer: key for key, r in mine.items() for layer in r.kda if layer in local.kda}
     missing = sorted((set(local.mla) - set(mla_source)) | (set(local.kda) - set(kda_source)))
     if missing:
-        raise ValueError(f"the producer holds no cache for layers {missing} of decode tp_rank {local.tp_rank} "
+        raise PairingError(f"the producer holds no cache for layers {missing} of decode tp_rank {local.tp_rank} "
                          f"{sizes} (a different model?)")
     used = set(mla_source.values()) | set(kda_source.values())
     return Pairing(local, {k: mine[k] for k in used}, mla_source, kda_source,

@@ -83,9 +83,19 @@ class ProducerSideChannel:
             except queue.Empty:
                 return out
 
-    def forget(self, request_id: str) -> None:
-        """Drops partial releases of a request the producer freed anyway (its timeout passed)."""
-        self._readers.pop(request_id, None)  # a stale entry at worst; only the serving thread adds
+    def forget(self, request_ids: list[str]) -> None:
+        """Drops partial releases of requests the producer freed anyway (their timeout passed)."""
+        for request_id in request_ids:
+            self._readers.pop(request_id, None)  # a stale entry at worst; only the serving thread adds
+
+    def partially_released(self) -> list[str]:
+        """Requests some but not all of whose consumer readers have released them."""
+        return list(self._readers)
+
+    @property
+    def num_partially_released(self) -> int:
+        """Requests some but not all of whose consumer readers have released them."""
+        return len(self._readers)
 
     def close(self) -> None:
         self._stop.set()

@@ -21,7 +21,7 @@ from deltaserve.config.parallel import ParallelConfig
 from deltaserve.kv_transfer.config import KVTransferConfig
 from deltaserve.kv_transfer.layout import RankLayout, TensorRows
 from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
-from deltaserve.kv_transfer.pairing import Pairing, RankKey, pair_ranks, request_ops
+from deltaserve.kv_transfer.pairing import Pairing, PairingError, RankKey, pair_ranks, request_ops
 from deltaserve.kv_transfer.side_channel import SideChannelError, ask, handshake
 from deltaserve.kv_transfer.transfer_engine import TransferAgent, TransferError, TransferHandle, make_agent
 
@@ -57,6 +57,7 @@ class KVConnectorWorker:
         self._producers: dict[tuple[str, int], _Producer] = {}
         self._loads: dict[str, _Load] = {}
         self._failed: dict[str, str] = {}
+        self._refused: set[str] = set()
         self.reader_name = f"{config.engine_id}:pp{parallel.pipeline_parallel_rank}tp{parallel.tensor_parallel_rank}"
 
     def register(self, model) -> RankLayout:
@@ -113,6 +114,8 @@ class KVConnectorWorker:
                 logger.warning("kv transfer: load of request %s from %s:%d failed to start: %s", spec.request_id,
                                spec.source.host, spec.source.port, e)
                 self._failed[spec.request_id] = str(e)
+                if isinstance(e, PairingError):
+                    self._refused.add(spec.request_id)
                 self._release(spec)
 
     def _start(self, spec: LoadSpec) -> None:
@@ -130,8 +133,8 @@ class KVConnectorWorker:
     def poll(self) -> KVConnectorOutput:
         """Loads finished or failed since the last call (each reported once)."""
         assert self.agent is not None
-        out = KVConnectorOutput(failed_recving=self._failed)
-        self._failed = {}
+        out = KVConnectorOutput(failed_recving=self._failed, refused=self._refused)
+        self._failed, self._refused = {}, set()
         now = time.monotonic()
         for request_id, load in list(self._loads.items()):
             try:
