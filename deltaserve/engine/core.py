@@ -429,7 +429,8 @@ class EngineCore:
             },
         }
         if self.kv_transfer is not None:
-            metrics["kv_transfer"] = self.kv_transfer.metrics()
+            metrics["kv_transfer"] = {**self.kv_transfer.metrics(),
+                                      "remote_waiting": len(self.scheduler.remote_waiting)}
         pc = self.prefix_cache
         if pc is not None:
             stats = dataclasses.asdict(pc.stats)

@@ -95,6 +95,12 @@ class EngineMetrics:
                                    ["model_name", "stage"], registry=r)
         self._stage_steps = Counter(PREFIX + "pipeline_stage_steps", "Steps each pipeline stage ran.",
                                     ["model_name", "stage"], registry=r)
+        self.transfers_held = gauge("kv_transfer_held_requests",
+                                    "P/D producer: finished requests whose KV and state wait for their consumer.")
+        self.transfers_waiting = gauge("kv_transfer_loading_requests",
+                                       "P/D consumer: requests waiting for their KV and state to arrive.")
+        self.transfers_expired = counter("kv_transfer_expired",
+                                         "P/D producer: held requests freed because no consumer read them in time.")
         self._last_totals: dict[str, float] = {}
 
     def _increment(self, key: str, counter: Any, total: float) -> None:
@@ -142,6 +148,11 @@ class EngineMetrics:
             self._increment("queries", self.prefix_queries, prefix["queried_tokens"])
             self._increment("hits", self.prefix_hits, prefix["hit_tokens"])
         self._record_executor(snapshot.get("executor", {}))
+        transfer = snapshot.get("kv_transfer")
+        if transfer is not None:
+            self.transfers_held.set(transfer["held_for_transfer"])
+            self.transfers_waiting.set(transfer["remote_waiting"])
+            self._increment("transfers_expired", self.transfers_expired, transfer["expired_transfers"])
         cps = snapshot.get("checkpoints")
         if cps is not None:
             self.checkpoints.set(cps["num_checkpoints"])

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
+import uvicorn
 
 _READY = re.compile(r"ready on (http://[^\s]+)")
 _PIDS = re.compile(r"engine core pid (\d+); API server pids ([\d, ]+)")
@@ -134,3 +137,30 @@ def scrape(client: httpx.Client) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values
+
+
+class ThreadedServer:
+    """An ASGI app on uvicorn in a thread, on 127.0.0.1 and any free port; stopped on exit."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread: threading.Thread | None = None
+        self.url = ""
+
+    def __enter__(self) -> ThreadedServer:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        assert self.thread is not None
+        self.thread.join(10)

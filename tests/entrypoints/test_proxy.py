@@ -1,5 +1,5 @@
 """`deltaserve proxy` (P/D disaggregation): fake prefill and decode backends that record what they
-were sent, each on uvicorn in a thread on loopback; then two real servers behind the proxy."""
+were sent, each on uvicorn in a thread on loopback. Real servers behind the proxy: test_pd_serve.py."""
 
 from __future__ import annotations
 
@@ -12,42 +12,14 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deltaserve.cli import build_parser
 from deltaserve.entrypoints.proxy import ProxyOptions, build_proxy_app
-from entrypoints.server import RemoteServer, scrape
+from entrypoints.server import ThreadedServer, scrape
 
 PREFILL_IDS = [11, 12, 13, 14]
-
-
-class ThreadedServer:
-    """An ASGI app on uvicorn in a thread, on 127.0.0.1 and any free port; stopped on exit."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread: threading.Thread | None = None
-        self.url = ""
-
-    def __enter__(self) -> ThreadedServer:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        assert self.thread is not None
-        self.thread.join(10)
 
 
 class FakeBackend:
@@ -301,58 +273,3 @@ def test_the_command_line():
         ["http://a:1", "http://b:2"], ["http://c:3"], 9000, "least_loaded", "k")
     with pytest.raises(ValueError, match="--policy 'fastest'"):
         ProxyOptions(["http://a:1"], ["http://c:3"], policy="fastest").validate()
-
-
-# ---------------------------------------------------------------- two real servers behind the proxy
-
-
-def _kv_config(connector: str, role: str) -> str:
-    return json.dumps({"kv_connector": connector, "kv_role": role})
-
-
-@pytest.fixture(scope="module", params=["MooncakeConnector", "NixlConnector"])
-def pd(request, server):
-    """A real P/D pair (each server its own process tree) moving KV and KDA state over the transfer
-    engine, the proxy in front, and the shared colocated `server` (same random weights) to compare with."""
-    from deltaserve.kv_transfer import available_backends
-
-    if {"MooncakeConnector": "mooncake", "NixlConnector": "nixl"}[request.param] not in available_backends():
-        pytest.skip(f"{request.param}'s library is not installed")
-    with RemoteServer("--served-model-name", "tiny", "--kv-transfer-config",
-                      _kv_config(request.param, "kv_producer")) as prefill, RemoteServer(
-            "--served-model-name", "tiny", "--kv-transfer-config", _kv_config(request.param, "kv_consumer")
-    ) as decode, ThreadedServer(build_proxy_app(ProxyOptions([prefill.url], [decode.url]))) as p:
-        yield prefill, decode, server, p
-
-
-def _text(client: httpx.Client, path: str, body: dict) -> str:
-    with client.stream("POST", path, json={**body, "stream": True}) as response:
-        assert response.status_code == 200
-        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    choices = [c for e in events for c in e["choices"]]
-    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
-
-
-def test_end_to_end_the_proxy_answers_as_the_decode_server(pd):
-    prefill, decode, colocated, p = pd
-    greedy = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    cases = [("/v1/completions", {**greedy, "prompt": "The quick brown fox"}, "text"),
-             ("/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "hello"}]}, "message")]
-    with httpx.Client(timeout=60) as client:
-        for path, body, key in cases:
-            alone = client.post(colocated.url + path, json=body).json()
-            through = client.post(p.url + path, json=body)
-            assert through.status_code == 200, through.text
-            got = through.json()
-            assert got["choices"][0][key] == alone["choices"][0][key]
-            assert got["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"] == "length"
-            assert got["usage"] == alone["usage"] and got["kv_transfer_params"] is None
-            expected = alone["choices"][0]["text"] if key == "text" else alone["choices"][0]["message"]["content"]
-            assert _text(client, p.url + path, body) == expected
-    with prefill.client() as client:
-        metrics = scrape(client)
-    assert metrics["deltaserve:request_success_total{finished_reason=length}"] >= 4  # each request's prefill leg
-    with decode.client() as client:  # every decode leg read its prompt's KV and state from the producer
-        metrics = scrape(client)
-    # 4 requests of 12 tokens: the first is the producer's, 11 decoded here; no prompt token computed here
-    assert metrics["deltaserve:computed_tokens_total"] == 4 * 11
