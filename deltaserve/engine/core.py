@@ -306,6 +306,8 @@ class EngineCore:
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                stats: IterationStats) -> list[EngineCoreOutput]:
+        if self.kv_transfer is not None and runner_output.kv_connector_output is not None:
+            self.kv_transfer.note_output(runner_output.kv_connector_output)
         update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request(),
                                                    runner_output.kv_connector_output)
         finished = {r.request_id: r for r in update.finished}

@@ -21,8 +21,9 @@ class KVTransferConfig:
     free one); engine_id: this engine's name in kv_transfer_params; kv_load_failure_policy: what a
     consumer does when a load fails ("recompute" the prompt locally, or "fail" the request);
     transfer_timeout_s: how long a producer holds a request no consumer has read.
-    staging_chunk_pages and chunked_transfer are the transfer options of the issue that are not
-    built yet: anything but their defaults is refused."""
+    staging_chunk_pages: on a producer, MLA staging for DCP consumers (kv_transfer/staging.py): pages of
+    its block size per staging slot, 0 = off (the per-token path); staging_slots: slots per producer
+    rank, held back from its cache budget. chunked_transfer is not built yet: true is refused."""
 
     kv_connector: str
     kv_role: str
@@ -32,6 +33,7 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
     transfer_timeout_s: float = 120.0
     staging_chunk_pages: int = 0
+    staging_slots: int = 16
     chunked_transfer: bool = False
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
@@ -48,9 +50,10 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: kv_port={self.kv_port!r} must be a TCP port (0: a free one)")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_config: transfer_timeout_s={self.transfer_timeout_s} must be positive")
-        if self.staging_chunk_pages:
-            raise ValueError("kv_transfer_config: staging_chunk_pages is not built yet (MLA staging for DCP "
-                             "consumers); leave it at 0")
+        for name, least in (("staging_chunk_pages", 0), ("staging_slots", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kv_transfer_config: {name}={value!r} must be an integer >= {least}")
         if self.chunked_transfer:
             raise ValueError("kv_transfer_config: chunked_transfer is not built yet; leave it false")
 

@@ -26,6 +26,8 @@ class KVTransferEngineSide:
         self.scheduler = scheduler
         self.side_channel = side_channel
         self._failures: list[tuple[str, str]] = []
+        self.num_ops = 0  # consumer: transfer descriptors its ranks posted
+        self.num_staged_chunks = 0  # consumer: staged MLA chunks its ranks read
 
     @classmethod
     def start(cls, config: KVTransferConfig, layouts: list[RankLayout], block_size: int) -> KVTransferEngineSide:
@@ -52,6 +54,11 @@ class KVTransferEngineSide:
             held = self.scheduler.held
             self.side_channel.forget([r for r in self.side_channel.partially_released() if r not in held])
 
+    def note_output(self, output: Any) -> None:
+        """Counts a step's KVConnectorOutput (every rank's, joined)."""
+        self.num_ops += output.num_ops
+        self.num_staged_chunks += output.num_staged_chunks
+
     def note_failure(self, request_id: str, message: str) -> None:
         self._failures.append((request_id, message))
 
@@ -62,7 +69,8 @@ class KVTransferEngineSide:
 
     def metrics(self) -> dict[str, Any]:
         return {"role": self.config.kv_role, "held_for_transfer": len(self.scheduler.held),
-                "expired_transfers": self.scheduler.num_expired,
+                "expired_transfers": self.scheduler.num_expired, "ops_posted": self.num_ops,
+                "staged_chunks": self.num_staged_chunks,
                 "partially_released": self.side_channel.num_partially_released if self.side_channel else 0}
 
     def close(self) -> None:

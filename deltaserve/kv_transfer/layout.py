@@ -59,6 +59,10 @@ class RankLayout:
     dcp_size: int = 1
     dcp_rank: int = 0
     dcp_interleave: int = 1
+    staging: dict[int, TensorRows] = field(default_factory=dict)  # MLA layer id -> slots (one row each)
+    staging_capacity: int = 0  # tokens a staging slot holds per layer (0: this rank does not stage)
+    staging_host: str = ""
+    staging_port: int = 0  # its StagingServer (kv_transfer/staging.py)
 
     @property
     def agent_bytes(self) -> bytes:
@@ -73,13 +77,14 @@ class RankLayout:
 
     def regions(self) -> list[tuple[int, int]]:
         """Every cache tensor as (address, nbytes), to register with the transfer agent."""
-        tensors = [*self.mla.values(), *(t for pair in self.kda.values() for t in pair)]
+        tensors = [*self.mla.values(), *(t for pair in self.kda.values() for t in pair), *self.staging.values()]
         return [(t.address, t.row_bytes * t.num_rows) for t in tensors]
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["mla"] = {str(k): asdict(v) for k, v in self.mla.items()}
         data["kda"] = {str(k): [asdict(c), asdict(r)] for k, (c, r) in self.kda.items()}
+        data["staging"] = {str(k): asdict(v) for k, v in self.staging.items()}
         return data
 
     @classmethod
@@ -92,6 +97,9 @@ class RankLayout:
                 {int(k): (TensorRows(**c), TensorRows(**r)) for k, (c, r) in data["kda"].items()},
                 int(data["kda_heads"]), int(data["pp_size"]), int(data["dcp_size"]), int(data["dcp_rank"]),
                 int(data["dcp_interleave"]),
+                {int(k): TensorRows(**v) for k, v in data.get("staging", {}).items()},
+                int(data.get("staging_capacity", 0)), str(data.get("staging_host", "")),
+                int(data.get("staging_port", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a producer's cache layout is malformed ({e!r})") from None

@@ -87,11 +87,15 @@ class KVConnectorOutput:
     failed_recving: dict[str, str] = field(default_factory=dict)  # consumer: request id -> why its load failed
     refused: set[str] = field(default_factory=set)  # of failed_recving: the layouts cannot pair (never recompute)
     loads_in_flight: int = 0
+    num_ops: int = 0  # consumer: transfer descriptors posted since the last report (every rank's)
+    num_staged_chunks: int = 0  # consumer: staged chunks read since the last report
 
     def merge(self, other: KVConnectorOutput) -> None:
         self.finished_recving += other.finished_recving
         self.failed_recving.update(other.failed_recving)
         self.refused |= other.refused
+        self.num_ops += other.num_ops
+        self.num_staged_chunks += other.num_staged_chunks
         self.loads_in_flight = other.loads_in_flight
 
 
@@ -105,6 +109,7 @@ class KVOutputAggregator:
         self.world_size = world_size
         self._reports: dict[str, dict[int, str | None]] = {}  # request -> rank -> None (done) or why it failed
         self._refused: set[str] = set()
+        self._num_ops = self._num_staged_chunks = 0
         self._in_flight: dict[int, int] = {}
 
     def add(self, rank: int, output: KVConnectorOutput | None) -> None:
@@ -115,11 +120,15 @@ class KVOutputAggregator:
         for request_id, why in output.failed_recving.items():
             self._reports.setdefault(request_id, {})[rank] = f"rank {rank}: {why}"
         self._refused |= output.refused
+        self._num_ops += output.num_ops
+        self._num_staged_chunks += output.num_staged_chunks
         self._in_flight[rank] = output.loads_in_flight
 
     def take(self) -> KVConnectorOutput:
         """The requests every rank has reported since the last call."""
-        out = KVConnectorOutput(loads_in_flight=max(self._in_flight.values(), default=0))
+        out = KVConnectorOutput(loads_in_flight=max(self._in_flight.values(), default=0), num_ops=self._num_ops,
+                                num_staged_chunks=self._num_staged_chunks)
+        self._num_ops = self._num_staged_chunks = 0
         for request_id, reports in list(self._reports.items()):
             if len(reports) < self.world_size:
                 continue

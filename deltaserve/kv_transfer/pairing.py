@@ -115,10 +115,12 @@ def latent_runs(num_tokens: int, local: RankLayout, remote_block_size: int) -> l
 
 
 def request_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[int], remote_block_size: int,
-                local_slot: int, remote_slot: int, num_tokens: int) -> dict[RankKey, list[TransferOp]]:
+                local_slot: int, remote_slot: int, num_tokens: int,
+                staged: frozenset[RankKey] = frozenset()) -> dict[RankKey, list[TransferOp]]:
     """The reads that bring one request's first `num_tokens` latents (this rank's stripe) and its KDA
-    state (this rank's heads) from the producer, per producer rank; ValueError when the blocks given
-    do not cover the tokens."""
+    state (this rank's heads) from the producer, per producer rank; the latents of the producer ranks
+    in `staged` are left out (read through their staging slots: `staged_ops`). ValueError when the
+    blocks given do not cover the tokens."""
     local = pairing.local
     if len(remote_blocks) * remote_block_size < num_tokens:
         raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // remote_block_size)} producer blocks of "
@@ -130,6 +132,8 @@ def request_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[i
                          f"the request has {len(local_blocks)}")
     ops: dict[RankKey, list[TransferOp]] = {key: [] for key in pairing.sources}
     for layer_id, key in pairing.mla_source.items():
+        if key in staged:
+            continue
         here, there = local.mla[layer_id], pairing.sources[key].mla[layer_id]
         token_bytes = here.row_bytes // local.block_size
         if there.row_bytes != token_bytes * remote_block_size:
@@ -158,4 +162,33 @@ def request_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[i
             for s in range(sections):
                 src = there.row(remote_slot) + (s * pairing.producer_heads + pairing.head_offset) * head_bytes
                 ops[key].append((here.row(local_slot) + s * length, src, length))
+    return ops
+
+
+def stripe_length(num_tokens: int, local: RankLayout) -> int:
+    """How many of a request's first `num_tokens` tokens `local` stores (its DCP stripe)."""
+    return sum(n for _, _, n in latent_runs(num_tokens, local, max(num_tokens, 1)))
+
+
+def staged_ops(pairing: Pairing, key: RankKey, local_blocks: list[int], slot: int, start: int,
+               count: int) -> list[TransferOp]:
+    """The reads of one staged chunk: stripe offsets [start, start + count), gathered by producer rank
+    `key` into its staging `slot` in stripe order, into this rank's pages; one op per destination page
+    per MLA layer that rank holds."""
+    local, remote = pairing.local, pairing.sources[key]
+    ops: list[TransferOp] = []
+    for layer_id, source in pairing.mla_source.items():
+        if source != key:
+            continue
+        here, there = local.mla[layer_id], remote.staging[layer_id]
+        token_bytes = here.row_bytes // local.block_size
+        if there.row_bytes != token_bytes * remote.staging_capacity:
+            raise ValueError(f"MLA layer {layer_id}: the producer's staging slot rows are {there.row_bytes} bytes, "
+                             f"not {remote.staging_capacity} tokens of {token_bytes}")
+        offset, end = start, start + count
+        while offset < end:
+            n = min(end - offset, local.block_size - offset % local.block_size)
+            dst = here.row(local_blocks[offset // local.block_size]) + offset % local.block_size * token_bytes
+            ops.append((dst, there.row(slot) + (offset - start) * token_bytes, n * token_bytes))
+            offset += n
     return ops

@@ -26,11 +26,12 @@ Descriptors, counted per request and per MLA layer (one layer's latents are one 
   own run: one descriptor per token per MLA layer. The 48B shape (7 MLA layers) at 117,000 tokens
   under TP8 x DCP8 gives 8 ranks x 14,625 tokens x 7 layers = 819,000 descriptors, the "about 1M
   per 117K-token request" that ATOM PR 2709 measured before staging.
-- staged: the producer gathers a consumer's tokens into staging pages laid out as its destination
-  pages and writes one descriptor per destination page per MLA layer: 8 x ceil(14,625 / 16) x 7 =
-  51,240 on the same request. A staging slot holds `staging_chunk_pages` destination pages of every
-  MLA layer of its stage; each producer GPU holds `staging_slots` of them back from its KV cache
-  (ATOM's one slot per send worker), 0 bytes when staging is off (`staging_chunk_pages=0`).
+- staged (kv_transfer/staging.py): the producer gathers a consumer's tokens into a staging slot in
+  the consumer's order, and the consumer reads one descriptor per destination page per MLA layer:
+  8 x ceil(14,625 / 16) x 7 = 51,240 on the same request (when a slot's tokens are a whole number of
+  destination pages). A staging slot holds `staging_chunk_pages` pages of the producer's block size
+  of every MLA layer of its stage; each producer GPU holds `staging_slots` of them back from its KV
+  cache, 0 bytes when staging is off (`staging_chunk_pages=0`).
 - KDA state: per KDA layer one descriptor for the recurrent rows [heads, K, V] (heads outermost, so
   contiguous) and one per q, k, v block of conv channels (conv state [3 x local dim, W - 1]), merged
   into one when the consumer takes the producer's whole segment.
@@ -236,7 +237,7 @@ def plan_stages(model: KimiLinearConfig, prefill: EngineTopology,
                                     pipeline_parallel_rank=pp_rank).stage_layer_range(model.num_hidden_layers)
         kda = tuple(i for i in range(start, end) if i in kinds)
         mla = tuple(i for i in range(start, end) if i not in kinds)
-        slot = settings.staging_chunk_pages * settings.decode_block_size * len(mla) * model.latent_dim
+        slot = settings.staging_chunk_pages * settings.block_size * len(mla) * model.latent_dim
         stages.append(StageLayers(pp_rank, (start, end), kda, mla,
                                   settings.staging_slots * slot * settings.dtype_bytes))
     return tuple(stages)
@@ -397,7 +398,7 @@ def format_plan(plan: TopologyPlan, model_name: str, model: KimiLinearConfig) ->
     c = plan.cost
     if c is not None:
         staging = (f"{c.staging_reserve_bytes:,} B per producer GPU ({s.staging_slots} slots x "
-                   f"{s.staging_chunk_pages} pages of {s.decode_block_size} tokens x the stage's MLA layers)"
+                   f"{s.staging_chunk_pages} pages of {s.block_size} tokens x the stage's MLA layers)"
                    if s.staging_chunk_pages else "off (--staging-chunk-pages 0: the per-token path is used)")
         lines += [
             f"per request of {c.prompt_tokens:,} tokens, over every decode rank:",

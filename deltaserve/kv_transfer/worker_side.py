@@ -7,6 +7,11 @@ starts the loads each step orders (`start_loads`): a handshake with the producer
 (its layouts, then `add_peer` per producer rank), then one READ per producer rank holding layers
 this rank needs. `poll` reports the loads that finished or failed since the last call; a rank that
 has read a request tells the producer (`release`), whatever the outcome, so it can free the request.
+
+Staging (`staging_chunk_pages` on the producer): each producer rank with MLA layers also keeps a
+staging pool and its server (kv_transfer/staging.py). A DCP consumer rank reads its latents from such a
+rank chunk by chunk, one chunk in flight per producer rank: ask it to stage the chunk, read the slot
+(one op per destination page per layer), unstage it, next chunk; `poll` drives the chunks.
 """
 
 from __future__ import annotations
@@ -21,8 +26,17 @@ from deltaserve.config.parallel import ParallelConfig
 from deltaserve.kv_transfer.config import KVTransferConfig
 from deltaserve.kv_transfer.layout import RankLayout, TensorRows
 from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
-from deltaserve.kv_transfer.pairing import Pairing, PairingError, RankKey, pair_ranks, request_ops
+from deltaserve.kv_transfer.pairing import (
+    Pairing,
+    PairingError,
+    RankKey,
+    pair_ranks,
+    request_ops,
+    staged_ops,
+    stripe_length,
+)
 from deltaserve.kv_transfer.side_channel import SideChannelError, ask, handshake
+from deltaserve.kv_transfer.staging import StagingPool, StagingServer
 from deltaserve.kv_transfer.transfer_engine import TransferAgent, TransferError, TransferHandle, make_agent
 
 logger = logging.getLogger(__name__)
@@ -38,10 +52,23 @@ class _Producer:
 
 
 @dataclass
+class _StagedReads:
+    """The staged chunks of one load from one producer rank: stripe offsets still to read, and the
+    chunk in flight (its slot and read)."""
+
+    key: RankKey
+    next_offset: int
+    end: int
+    slot: int | None = None
+    handle: TransferHandle | None = None
+
+
+@dataclass
 class _Load:
     spec: LoadSpec
     handles: list[TransferHandle]
     deadline: float
+    staged: list[_StagedReads] = field(default_factory=list)
 
 
 class KVConnectorWorker:
@@ -58,6 +85,8 @@ class KVConnectorWorker:
         self._loads: dict[str, _Load] = {}
         self._failed: dict[str, str] = {}
         self._refused: set[str] = set()
+        self.staging: StagingServer | None = None  # a producer rank's, with staging on
+        self._num_ops = self._num_staged_chunks = 0  # since the last poll
         self.reader_name = f"{config.engine_id}:pp{parallel.pipeline_parallel_rank}tp{parallel.tensor_parallel_rank}"
 
     def register(self, model) -> RankLayout:
@@ -78,9 +107,17 @@ class KVConnectorWorker:
             else:
                 mla[int(key)] = TensorRows.of(attn.kv_cache)
         p = self.parallel
+        staging: dict = {}
+        if self.config.is_producer and self.config.staging_chunk_pages and mla:
+            caches = {int(key): layer.self_attn.kv_cache for key, layer in model.layers.items() if not layer.is_kda}
+            pool = StagingPool(caches, self.config.staging_chunk_pages, self.config.staging_slots, self.block_size)
+            self.staging = StagingServer(pool, self.config.kv_ip, self.config.transfer_timeout_s)
+            staging = pool.rows()
         layout = RankLayout(p.pipeline_parallel_rank, p.tensor_parallel_rank, p.tensor_parallel_size, self.block_size,
                             "", mla, kda, heads, p.pipeline_parallel_size, p.decode_context_parallel_size,
-                            p.decode_context_parallel_rank, self.dcp_interleave)
+                            p.decode_context_parallel_rank, self.dcp_interleave, staging,
+                            self.staging.pool.capacity if self.staging else 0,
+                            self.staging.host if self.staging else "", self.staging.port if self.staging else 0)
         self.agent.register(layout.regions())
         self.layout = layout.with_metadata(base64.b64encode(self.agent.metadata()).decode())
         return self.layout
@@ -123,12 +160,74 @@ class KVConnectorWorker:
         source = spec.source
         producer = self._producer(source.host, source.port, source.engine_id)
         handles = []
-        ops = request_ops(producer.pairing, spec.block_ids, source.block_ids, source.block_size, spec.state_slot,
-                          source.state_slot, source.num_tokens)
+        pairing = producer.pairing
+        staged = frozenset(key for key in set(pairing.mla_source.values())
+                           if pairing.local.dcp_size > 1 and pairing.sources[key].staging_capacity)
+        ops = request_ops(pairing, spec.block_ids, source.block_ids, source.block_size, spec.state_slot,
+                          source.state_slot, source.num_tokens, staged)
         for key, rank_ops in ops.items():
             if rank_ops:
                 handles.append(self.agent.read(producer.peers[key], rank_ops))
-        self._loads[spec.request_id] = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s)
+                self._num_ops += len(rank_ops)
+        length = stripe_length(source.num_tokens, pairing.local)
+        load = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s,
+                     [_StagedReads(key, 0, length) for key in sorted(staged) if length])
+        self._loads[spec.request_id] = load
+        try:
+            self._advance_staged(load, producer)
+        except BaseException:
+            self._unstage_all(load)
+            del self._loads[spec.request_id]
+            raise
+
+    def _advance_staged(self, load: _Load, producer: _Producer) -> bool:
+        """Moves each producer rank's staged chunks on (a chunk read: unstage it, stage the next and
+        post its read); True when every chunk has been read. TransferError / SideChannelError when a
+        read or the producer's staging server fails."""
+        assert self.agent is not None
+        source, done = load.spec.source, True
+        for reads in load.staged:
+            if reads.handle is not None:
+                if not self.agent.poll(reads.handle):
+                    done = False
+                    continue
+                self._unstage(reads, producer)
+            if reads.next_offset >= reads.end:
+                continue
+            done = False
+            remote = producer.pairing.sources[reads.key]
+            count = min(remote.staging_capacity, reads.end - reads.next_offset)
+            local = producer.pairing.local
+            answer = ask(remote.staging_host, remote.staging_port, {
+                "kind": "stage", "block_ids": source.block_ids, "num_tokens": source.num_tokens,
+                "start": reads.next_offset, "count": count, "dcp_size": local.dcp_size, "dcp_rank": local.dcp_rank,
+                "interleave": local.dcp_interleave})
+            if answer["slot"] is None:
+                continue  # every slot is held: asked again at the next poll
+            reads.slot = int(answer["slot"])
+            ops = staged_ops(producer.pairing, reads.key, load.spec.block_ids, reads.slot, reads.next_offset, count)
+            reads.handle = self.agent.read(producer.peers[reads.key], ops)
+            reads.next_offset += count
+            self._num_ops += len(ops)
+            self._num_staged_chunks += 1
+        return done
+
+    def _unstage(self, reads: _StagedReads, producer: _Producer) -> None:
+        if reads.slot is not None:
+            remote = producer.pairing.sources[reads.key]
+            slot, reads.slot, reads.handle = reads.slot, None, None
+            try:
+                ask(remote.staging_host, remote.staging_port, {"kind": "unstage", "slot": slot}, timeout_ms=2000)
+            except SideChannelError as e:  # the producer takes the slot back after its timeout
+                logger.warning("kv transfer: could not unstage slot %d: %s", slot, e)
+
+    def _unstage_all(self, load: _Load) -> None:
+        producer = self._producers.get((load.spec.source.host, load.spec.source.port))
+        if producer is not None:
+            for reads in load.staged:
+                if reads.handle is not None and not reads.handle.done:
+                    continue  # a read still in flight: its slot is taken back by the producer's timeout
+                self._unstage(reads, producer)
 
     def poll(self) -> KVConnectorOutput:
         """Loads finished or failed since the last call (each reported once)."""
@@ -139,11 +238,15 @@ class KVConnectorWorker:
         for request_id, load in list(self._loads.items()):
             try:
                 done = all([self.agent.poll(h) for h in load.handles])
+                if load.staged:
+                    producer = self._producers[(load.spec.source.host, load.spec.source.port)]
+                    done = self._advance_staged(load, producer) and done
                 if not done and now > load.deadline:
                     raise TransferError(f"not done after transfer_timeout_s={self.config.transfer_timeout_s}")
-            except TransferError as e:
+            except (TransferError, SideChannelError, ValueError) as e:
                 logger.warning("kv transfer: load of request %s failed: %s", request_id, e)
                 out.failed_recving[request_id] = str(e)
+                self._unstage_all(load)
             else:
                 if not done:
                     continue
@@ -151,6 +254,8 @@ class KVConnectorWorker:
             del self._loads[request_id]
             self._release(load.spec)
         out.loads_in_flight = len(self._loads)
+        out.num_ops, out.num_staged_chunks = self._num_ops, self._num_staged_chunks
+        self._num_ops = self._num_staged_chunks = 0
         return out
 
     def _release(self, spec: LoadSpec) -> None:
@@ -164,6 +269,9 @@ class KVConnectorWorker:
             logger.warning("kv transfer: could not release request %s on its producer: %s", source.request_id, e)
 
     def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
         if self.agent is not None:
             self.agent.close()
             self.agent = None

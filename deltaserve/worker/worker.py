@@ -15,6 +15,7 @@ from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.distributed.dcp_layout import DCPLayout
+from deltaserve.kv_transfer.staging import staging_reserve_bytes
 from deltaserve.kv_transfer.worker_side import KVConnectorWorker
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
@@ -103,7 +104,22 @@ class Worker:
         return kv_spec, state_spec
 
     def available_cache_bytes(self) -> int:
-        """Bytes the caches may take: --cache-memory if given, else a share of free GPU memory."""
+        """Bytes the caches may take: --cache-memory if given, else a share of free GPU memory; less a
+        P/D producer's MLA staging reserve."""
+        return self._cache_budget_bytes() - self.staging_reserve_bytes()
+
+    def staging_reserve_bytes(self) -> int:
+        """A P/D producer's MLA staging slots on this rank (kv_transfer/staging.py); 0 without staging."""
+        transfer = self.engine_config.kv_transfer_config
+        if transfer is None or not transfer.is_producer or not transfer.staging_chunk_pages:
+            return 0
+        assert self.model is not None
+        return staging_reserve_bytes(transfer.staging_chunk_pages, transfer.staging_slots,
+                                     self.engine_config.block_size, self.model_config.latent_dim,
+                                     torch.tensor([], dtype=self.dtype).element_size(),
+                                     len(list(self.model.mla_layers())))
+
+    def _cache_budget_bytes(self) -> int:
         if self.engine_config.cache_memory is not None:
             return int(self.engine_config.cache_memory)
         if self.device.type != "cuda":

@@ -24,9 +24,11 @@ LAYOUTS = {
     "pp2_to_tp2_dcp2": ({"pipeline_parallel_size": 2},
                         {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}),
 }
-CASES = [(connector, backend, layout) for connector, backend in (("NixlConnector", "nixl"), ("MooncakeConnector",
-                                                                                           "mooncake"))
+# (connector, backend, layout, staging_chunk_pages): staging at 1 and 4 pages per chunk on a DCP consumer
+CASES = [(connector, backend, layout, 0) for connector, backend in (("NixlConnector", "nixl"),
+                                                                     ("MooncakeConnector", "mooncake"))
          for layout in LAYOUTS]
+CASES += [("MooncakeConnector", "mooncake", "pp2_to_tp2_dcp2", 1), ("NixlConnector", "nixl", "pp2_to_tp2_dcp2", 4)]
 PROMPTS = [
     "def fibonacci(n):\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n" * 4,  # several prefill chunks
@@ -40,14 +42,16 @@ def reference():
     llm.llm_engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+@pytest.fixture(scope="module", params=CASES,
+                ids=[f"{c[0]}-{c[2]}" + (f"-staged{c[3]}" if c[3] else "") for c in CASES])
 def pair(request):
-    connector, backend, layout = request.param
+    connector, backend, layout, staging_chunk_pages = request.param
     if backend not in available_backends():
         pytest.skip(f"{connector}'s library is not installed; install it as the README says")
     producer_sizes, consumer_sizes = LAYOUTS[layout]
     producer = LLM(**COMMON, **producer_sizes, distributed_executor_backend="mp",
-                   kv_transfer_config={"kv_connector": connector, "kv_role": "kv_producer"})
+                   kv_transfer_config={"kv_connector": connector, "kv_role": "kv_producer",
+                                       "staging_chunk_pages": staging_chunk_pages, "staging_slots": 2})
     try:
         consumer = LLM(**COMMON, **consumer_sizes, distributed_executor_backend="mp",
                        kv_transfer_config={"kv_connector": connector, "kv_role": "kv_consumer"})
@@ -88,6 +92,10 @@ def test_parallel_pairing_equals_colocated(pair, reference):
     assert any(p.num_cached_tokens > 0 for p in prefilled2)
     _assert_same(_decode(consumer, turn2, prefilled2, 6), want2)
     _settle(producer, consumer)
+    staged = _core(consumer).kv_transfer.metrics()["staged_chunks"]
+    dcp = _core(consumer).config.decode_context_parallel_size
+    staging = _core(producer).config.kv_transfer_config.staging_chunk_pages
+    assert (staged > 0) == bool(staging and dcp > 1), (staged, staging, dcp)
 
 
 def test_many_requests_leave_nothing_held_on_any_stage(pair):
