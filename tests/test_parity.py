@@ -150,15 +150,15 @@ def test_gpu_float32_matches_cpu(gpu_case, record_property):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_graphs_match_eager(record_property):
+def test_gpu_bf16_graphs_match_eager(gpu_case, request, record_property):
     """bfloat16 on the GPU: decode replayed from CUDA graphs against the eager path: greedy tokens
     equal, or parting only at a bf16 near-tie (the graphs' padded batches round differently).
 
-    On the trained target only: the random configs' logits are nearly flat, so bf16 rounding flips
-    their argmaxes within a few tokens (10 of 32 agreed on an H100). On the trained target, an H100
-    (2026-12-06) agreed on 6 of 8 prompts and parted at tokens 6 and 30 on the others."""
-    model_dir, reference = reference_or_skip()
-    prompts = heldout_prompts(reference, PROMPT_LENGTHS)
+    Checked on the trained target; reported only for the random configs, whose logits are nearly flat
+    so bf16 rounding flips their argmaxes within a few tokens (10 of 32 agreed on an H100). On the
+    trained target, an H100 (2026-12-06) agreed on 6 of 8 prompts and parted at tokens 6 and 30 on the
+    others, each time at a near-tie."""
+    model_dir, prompts = gpu_case
     batch = [{"prompt_token_ids": p} for p in prompts]
     runs = []
     for eager in (True, False):
@@ -168,6 +168,8 @@ def test_gpu_bf16_graphs_match_eager(record_property):
         runs.append(llm.generate(batch, greedy(logprobs=5), use_tqdm=False))
     agree = [agreeing_tokens(a.outputs[0].token_ids, b.outputs[0].token_ids) for a, b in zip(*runs, strict=True)]
     record_property("tokens_agreeing_per_prompt", agree)
-    print(f"bf16 graphs vs eager: tokens agreeing per prompt (of {NUM_TOKENS}): {agree}")
+    print(f"bf16 graphs vs eager ({request.node.callspec.id}): tokens agreeing per prompt (of {NUM_TOKENS}): {agree}")
+    if request.node.callspec.id != TRAINED:
+        return
     parted = [first_divergence(a, b, BF16_LOGPROB_TOL) for a, b in zip(*runs, strict=True)]
     assert sum(p is None for p in parted) >= len(parted) // 2, f"first divergence per prompt: {parted}"
