@@ -27,7 +27,6 @@ from deltaserve.kv_transfer.transfer_engine import (
     TransferError,
     TransferHandle,
     TransferOp,
-    check_ops,
     decode_metadata,
     encode_metadata,
 )
@@ -85,21 +84,12 @@ class MooncakeAgent(TransferAgent):
         self._peers.setdefault(peer, threading.Lock())
         return peer
 
-    def read(self, peer: str, ops: list[TransferOp]) -> TransferHandle:
-        """Posts a pull of all ops (batched, chunked by `chunk_ops`)."""
-        return self._post("READ", peer, ops)
+    def _knows(self, peer: str) -> bool:
+        return peer in self._peers
 
-    def write(self, peer: str, ops: list[TransferOp]) -> TransferHandle:
-        """Posts a push of all ops (batched, chunked by `chunk_ops`)."""
-        return self._post("WRITE", peer, ops)
-
-    def _post(self, opcode: str, peer: str, ops: list[TransferOp]) -> TransferHandle:
-        nbytes = check_ops(self.backend, peer, ops)
-        if peer not in self._peers:
-            raise ValueError(f"mooncake peer {peer!r} is unknown to agent {self.name!r}; add_peer() its metadata first")
-        handle = TransferHandle(self.backend, peer, opcode, len(ops), nbytes)
+    def _submit(self, handle: TransferHandle, ops: list[TransferOp]) -> None:
+        """Runs the transfer on a worker thread (batched, chunked by `chunk_ops`)."""
         handle.backend_handle = self._executor.submit(self._run, handle, list(ops))
-        return handle
 
     def _run(self, handle: TransferHandle, ops: list[TransferOp]) -> None:
         """Worker thread: sends the chunks in order, one peer's transfers taking turns."""

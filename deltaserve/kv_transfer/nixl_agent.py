@@ -25,7 +25,6 @@ from deltaserve.kv_transfer.transfer_engine import (
     TransferError,
     TransferHandle,
     TransferOp,
-    check_ops,
     decode_metadata,
     encode_metadata,
 )
@@ -78,25 +77,17 @@ class NixlAgent(TransferAgent):
         self._peers.add(peer)
         return peer
 
-    def read(self, peer: str, ops: list[TransferOp]) -> TransferHandle:
-        """Posts one NIXL READ of all ops."""
-        return self._post("READ", peer, ops)
+    def _knows(self, peer: str) -> bool:
+        return peer in self._peers
 
-    def write(self, peer: str, ops: list[TransferOp]) -> TransferHandle:
-        """Posts one NIXL WRITE of all ops."""
-        return self._post("WRITE", peer, ops)
-
-    def _post(self, opcode: str, peer: str, ops: list[TransferOp]) -> TransferHandle:
-        nbytes = check_ops(self.backend, peer, ops)
-        if peer not in self._peers:
-            raise ValueError(f"nixl peer {peer!r} is unknown to agent {self.name!r}; add_peer() its metadata first")
+    def _submit(self, handle: TransferHandle, ops: list[TransferOp]) -> None:
+        """One NIXL request over all ops."""
         table = np.asarray(ops, dtype=np.uint64)  # [N, 3]: local_addr, remote_addr, nbytes
         zeros = np.zeros(len(ops), dtype=np.uint64)
         local = self._agent.get_xfer_descs(np.stack([table[:, 0], table[:, 2], zeros], axis=1), "DRAM")
         remote = self._agent.get_xfer_descs(np.stack([table[:, 1], table[:, 2], zeros], axis=1), "DRAM")
-        handle = TransferHandle(self.backend, peer, opcode, len(ops), nbytes)
         try:
-            handle.backend_handle = self._agent.initialize_xfer(opcode, local, remote, peer)
+            handle.backend_handle = self._agent.initialize_xfer(handle.opcode, local, remote, handle.peer)
             state = self._agent.transfer(handle.backend_handle)
         except Exception as e:  # nixl raises its own classes (e.g. nixlRemoteDisconnectError)
             self._release(handle)
@@ -109,7 +100,6 @@ class NixlAgent(TransferAgent):
             self._release(handle)
         else:
             self._open_handles.append(handle)
-        return handle
 
     def poll(self, handle: TransferHandle) -> bool:
         """Checks the request's state; releases it once done or failed."""

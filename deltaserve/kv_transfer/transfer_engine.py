@@ -69,13 +69,31 @@ class TransferAgent(ABC):
     def add_peer(self, peer_metadata: bytes) -> str:
         """Connects to the agent that produced `peer_metadata`; returns the peer name for read/write."""
 
-    @abstractmethod
     def read(self, peer: str, ops: list[TransferOp]) -> TransferHandle:
         """Posts a pull of each op's remote range into its local range; returns at once."""
+        return self._post("READ", peer, ops)
 
-    @abstractmethod
     def write(self, peer: str, ops: list[TransferOp]) -> TransferHandle:
         """Posts a push of each op's local range into its remote range; returns at once."""
+        return self._post("WRITE", peer, ops)
+
+    def _post(self, opcode: str, peer: str, ops: list[TransferOp]) -> TransferHandle:
+        nbytes = check_ops(self.backend, peer, ops)
+        if not self._knows(peer):
+            raise ValueError(f"{self.backend} peer {peer!r} is unknown to agent {self.name!r}; add_peer() its "
+                             "metadata first")
+        handle = TransferHandle(self.backend, peer, opcode, len(ops), nbytes)
+        self._submit(handle, ops)
+        return handle
+
+    @abstractmethod
+    def _knows(self, peer: str) -> bool:
+        """Whether `peer` was added with add_peer."""
+
+    @abstractmethod
+    def _submit(self, handle: TransferHandle, ops: list[TransferOp]) -> None:
+        """Starts the backend's transfer of the checked ops, setting handle.backend_handle (and
+        handle.done if it completed at once); TransferError if it cannot be posted."""
 
     @abstractmethod
     def poll(self, handle: TransferHandle) -> bool:
