@@ -181,35 +181,37 @@ class KVConnectorWorker:
             raise
 
     def _advance_staged(self, load: _Load, producer: _Producer) -> bool:
-        """Moves each producer rank's staged chunks on (a chunk read: unstage it, stage the next and
-        post its read); True when every chunk has been read. TransferError / SideChannelError when a
-        read or the producer's staging server fails."""
+        """Moves each producer rank's staged chunks on: while its chunk in flight is read, unstage it,
+        stage the next and post its read (a loopback read may be done at once, so one call can move
+        through several chunks); True when every chunk has been read. TransferError / SideChannelError
+        when a read or the producer's staging server fails."""
         assert self.agent is not None
         source, done = load.spec.source, True
+        local = producer.pairing.local
         for reads in load.staged:
-            if reads.handle is not None:
-                if not self.agent.poll(reads.handle):
-                    done = False
-                    continue
-                self._unstage(reads, producer)
-            if reads.next_offset >= reads.end:
-                continue
-            done = False
-            remote = producer.pairing.sources[reads.key]
-            count = min(remote.staging_capacity, reads.end - reads.next_offset)
-            local = producer.pairing.local
-            answer = ask(remote.staging_host, remote.staging_port, {
-                "kind": "stage", "block_ids": source.block_ids, "num_tokens": source.num_tokens,
-                "start": reads.next_offset, "count": count, "dcp_size": local.dcp_size, "dcp_rank": local.dcp_rank,
-                "interleave": local.dcp_interleave})
-            if answer["slot"] is None:
-                continue  # every slot is held: asked again at the next poll
-            reads.slot = int(answer["slot"])
-            ops = staged_ops(producer.pairing, reads.key, load.spec.block_ids, reads.slot, reads.next_offset, count)
-            reads.handle = self.agent.read(producer.peers[reads.key], ops)
-            reads.next_offset += count
-            self._num_ops += len(ops)
-            self._num_staged_chunks += 1
+            while True:
+                if reads.handle is not None:
+                    if not self.agent.poll(reads.handle):
+                        break
+                    self._unstage(reads, producer)
+                if reads.next_offset >= reads.end:
+                    break
+                remote = producer.pairing.sources[reads.key]
+                count = min(remote.staging_capacity, reads.end - reads.next_offset)
+                answer = ask(remote.staging_host, remote.staging_port, {
+                    "kind": "stage", "block_ids": source.block_ids, "num_tokens": source.num_tokens,
+                    "start": reads.next_offset, "count": count, "dcp_size": local.dcp_size,
+                    "dcp_rank": local.dcp_rank, "interleave": local.dcp_interleave})
+                if answer["slot"] is None:
+                    break  # every slot is held: asked again at the next poll
+                reads.slot = int(answer["slot"])
+                ops = staged_ops(producer.pairing, reads.key, load.spec.block_ids, reads.slot, reads.next_offset,
+                                 count)
+                reads.handle = self.agent.read(producer.peers[reads.key], ops)
+                reads.next_offset += count
+                self._num_ops += len(ops)
+                self._num_staged_chunks += 1
+            done = done and reads.handle is None and reads.next_offset >= reads.end
         return done
 
     def _unstage(self, reads: _StagedReads, producer: _Producer) -> None:
