@@ -202,7 +202,8 @@ def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, channels: RankChan
                 channels.send("output", scheduler_output.step_id, output, busy_s, steps)
             else:
                 transfers = output.kv_connector_output  # P/D: this rank's share of the loads
-                if transfers is not None and (transfers.finished_recving or transfers.failed_recving):
+                if transfers is not None and (transfers.finished_recving or transfers.failed_recving
+                                              or transfers.num_ops or transfers.num_staged_chunks):
                     channels.send("kv", transfers)
                 if ready.tp_rank == 0:
                     channels.send("busy", busy_s, steps)
