@@ -435,13 +435,13 @@ class Scheduler:
             if request is None:
                 continue
             self._free(request)
-            if self.kv_connector.config.kv_load_failure_policy == "recompute" and request_id not in kv_output.refused:
+            refused = request_id in kv_output.refused  # the layouts cannot pair: recomputing hides that
+            if self.kv_connector.config.kv_load_failure_policy == "recompute" and not refused:
                 request.remote_load_failed = True
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
             else:
-                request.stop_reason = (f"kv transfer refused: {reason}" if request_id in kv_output.refused
-                                       else f"kv load failed: {reason}")
+                request.stop_reason = f"kv transfer refused: {reason}" if refused else f"kv load failed: {reason}"
                 request.status = RequestStatus.FINISHED_ABORTED
                 del self.requests[request_id]
                 self._announce_finished(request_id)

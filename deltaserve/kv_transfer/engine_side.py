@@ -71,7 +71,7 @@ class KVTransferEngineSide:
         return {"role": self.config.kv_role, "held_for_transfer": len(self.scheduler.held),
                 "expired_transfers": self.scheduler.num_expired, "ops_posted": self.num_ops,
                 "staged_chunks": self.num_staged_chunks,
-                "partially_released": self.side_channel.num_partially_released if self.side_channel else 0}
+                "partially_released": len(self.side_channel.partially_released()) if self.side_channel else 0}
 
     def close(self) -> None:
         if self.side_channel is not None:

@@ -62,32 +62,32 @@ def pair_ranks(local: RankLayout, remotes: list[RankLayout]) -> Pairing:
     sizes = _sizes(local, remotes)
     if local.pp_size > 1:
         raise PairingError(f"a pipeline-parallel decode cannot consume transferred KV {sizes}; run the decode "
-                         "at pipeline_parallel_size=1")
+                           "at pipeline_parallel_size=1")
     if len({r.tp_size for r in remotes}) != 1 or any(r.dcp_size > 1 for r in remotes):
         raise PairingError(f"the producer's ranks disagree on their TP size or run DCP {sizes}; a prefill "
-                         "runs PP x TP without decode context parallelism")
+                           "runs PP x TP without decode context parallelism")
     producer_tp = remotes[0].tp_size
     if local.tp_size % producer_tp:
         raise PairingError(f"decode tensor_parallel_size={local.tp_size} is not a multiple of prefill "
-                         f"tensor_parallel_size={producer_tp} {sizes}: each decode rank reads its KDA heads "
-                         "from one prefill TP rank")
+                           f"tensor_parallel_size={producer_tp} {sizes}: each decode rank reads its KDA heads "
+                           "from one prefill TP rank")
     ratio = local.tp_size // producer_tp
     producer_rank = local.tp_rank // ratio
     mine = {(r.pp_rank, r.tp_rank): r for r in remotes if r.tp_rank == producer_rank}
     if not mine:
         raise PairingError(f"no producer rank has tp_rank {producer_rank}, the head group of decode tp_rank "
-                         f"{local.tp_rank} {sizes}")
+                           f"{local.tp_rank} {sizes}")
     producer_heads = {r.kda_heads for r in mine.values() if r.kda}
     if local.kda and producer_heads != {ratio * local.kda_heads}:
         raise PairingError(f"decode tp_rank {local.tp_rank} holds {local.kda_heads} KDA heads, which do not lie "
-                         f"inside prefill tp_rank {producer_rank}'s head group of {sorted(producer_heads)} heads "
-                         f"{sizes} (a different model?)")
+                           f"inside prefill tp_rank {producer_rank}'s head group of {sorted(producer_heads)} heads "
+                           f"{sizes} (a different model?)")
     mla_source = {layer: key for key, r in mine.items() for layer in r.mla if layer in local.mla}
     kda_source = {layer: key for key, r in mine.items() for layer in r.kda if layer in local.kda}
     missing = sorted((set(local.mla) - set(mla_source)) | (set(local.kda) - set(kda_source)))
     if missing:
         raise PairingError(f"the producer holds no cache for layers {missing} of decode tp_rank {local.tp_rank} "
-                         f"{sizes} (a different model?)")
+                           f"{sizes} (a different model?)")
     used = set(mla_source.values()) | set(kda_source.values())
     return Pairing(local, {k: mine[k] for k in used}, mla_source, kda_source,
                    (local.tp_rank % ratio) * local.kda_heads, ratio * local.kda_heads)
@@ -163,11 +163,6 @@ def request_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[i
                 src = there.row(remote_slot) + (s * pairing.producer_heads + pairing.head_offset) * head_bytes
                 ops[key].append((here.row(local_slot) + s * length, src, length))
     return ops
-
-
-def stripe_length(num_tokens: int, local: RankLayout) -> int:
-    """How many of a request's first `num_tokens` tokens `local` stores (its DCP stripe)."""
-    return sum(n for _, _, n in latent_runs(num_tokens, local, max(num_tokens, 1)))
 
 
 def staged_ops(pairing: Pairing, key: RankKey, local_blocks: list[int], slot: int, start: int,

@@ -25,13 +25,13 @@ POLL_MS = 100
 REQUEST_TIMEOUT_MS = 10_000
 
 
-class ProducerSideChannel:
-    """Answers handshakes with `layouts` and collects releases; `drain_released()` takes them."""
+class JsonServer:
+    """A ZeroMQ ROUTER on host:port (0: a free one) served by a daemon thread: each request is one
+    JSON message answered by `_answer` (JSON bytes); a malformed one gets {"error": ...}. The producer's
+    side channel and each producer rank's staging server (kv_transfer/staging.py) are ones."""
 
-    def __init__(self, host: str, port: int, engine_id: str, layouts: list[RankLayout]) -> None:
-        self.engine_id = engine_id
-        self._handshake = json.dumps({"engine_id": engine_id,
-                                      "layouts": [layout.to_json() for layout in layouts]}).encode()
+    def __init__(self, host: str, port: int, what: str) -> None:
+        self.what = what  # names its thread and its error answers
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -41,11 +41,8 @@ class ProducerSideChannel:
         else:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.host = host
-        self._readers: dict[str, set[str]] = {}
-        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._serve, name=f"kv-{what}", daemon=True)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -55,10 +52,30 @@ class ProducerSideChannel:
             try:
                 reply = self._answer(json.loads(frames[-1]))
             except (ValueError, KeyError, TypeError, IndexError) as e:
-                reply = json.dumps({"error": f"bad side-channel message: {e!r}"}).encode()
+                reply = json.dumps({"error": f"bad {self.what} message: {e!r}"}).encode()
             self._socket.send_multipart([identity, b"", reply])
         self._socket.close(0)
         self._context.term()
+
+    def _answer(self, message: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class ProducerSideChannel(JsonServer):
+    """Answers handshakes with `layouts` and collects releases; `drain_released()` takes them."""
+
+    def __init__(self, host: str, port: int, engine_id: str, layouts: list[RankLayout]) -> None:
+        super().__init__(host, port, "side-channel")
+        self.engine_id = engine_id
+        self._handshake = json.dumps({"engine_id": engine_id,
+                                      "layouts": [layout.to_json() for layout in layouts]}).encode()
+        self._readers: dict[str, set[str]] = {}
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._thread.start()
 
     def _answer(self, message: dict[str, Any]) -> bytes:
         kind = message["kind"]
@@ -91,15 +108,6 @@ class ProducerSideChannel:
     def partially_released(self) -> list[str]:
         """Requests some but not all of whose consumer readers have released them."""
         return list(self._readers)
-
-    @property
-    def num_partially_released(self) -> int:
-        """Requests some but not all of whose consumer readers have released them."""
-        return len(self._readers)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 class SideChannelError(RuntimeError):

@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Any
 
 import torch
-import zmq
 
 from deltaserve.kv_transfer.layout import TensorRows
+from deltaserve.kv_transfer.side_channel import JsonServer
 
 logger = logging.getLogger(__name__)
-
-POLL_MS = 100
 
 
 def staging_reserve_bytes(chunk_pages: int, slots: int, block_size: int, latent_dim: int, dtype_bytes: int,
@@ -105,46 +102,23 @@ class StagingPool:
             self.unstage(slot)
 
 
-class StagingServer:
-    """Serves `stage` and `unstage` for one rank's StagingPool on host:port (0: a free port)."""
+class StagingServer(JsonServer):
+    """Serves `stage` and `unstage` for one rank's StagingPool on host (a free port)."""
 
     def __init__(self, pool: StagingPool, host: str, hold_s: float) -> None:
+        super().__init__(host, 0, "staging")
         self.pool = pool
         self.hold_s = hold_s
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self.host = host
-        self.port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kv-staging", daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._socket.poll(POLL_MS):
-                continue
-            identity, *frames = self._socket.recv_multipart()
-            try:
-                reply = self._answer(json.loads(frames[-1]))
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                reply = {"error": f"bad staging message: {e}"}
-            self._socket.send_multipart([identity, b"", json.dumps(reply).encode()])
-        self._socket.close(0)
-        self._context.term()
-
-    def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _answer(self, message: dict[str, Any]) -> bytes:
         kind = message["kind"]
         if kind == "stage":
             slot = self.pool.stage([int(b) for b in message["block_ids"]], int(message["num_tokens"]),
                                    int(message["start"]), int(message["count"]), int(message["dcp_size"]),
                                    int(message["dcp_rank"]), int(message["interleave"]), self.hold_s)
-            return {"slot": slot}
+            return json.dumps({"slot": slot}).encode()
         if kind == "unstage":
             self.pool.unstage(int(message["slot"]))
-            return {"ok": True}
+            return b'{"ok": true}'
         raise ValueError(f"unknown kind {kind!r}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

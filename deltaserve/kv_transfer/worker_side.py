@@ -22,7 +22,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
 from deltaserve.config.parallel import ParallelConfig
+from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.kv_transfer.config import KVTransferConfig
 from deltaserve.kv_transfer.layout import RankLayout, TensorRows
 from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
@@ -33,7 +36,6 @@ from deltaserve.kv_transfer.pairing import (
     pair_ranks,
     request_ops,
     staged_ops,
-    stripe_length,
 )
 from deltaserve.kv_transfer.side_channel import SideChannelError, ask, handshake
 from deltaserve.kv_transfer.staging import StagingPool, StagingServer
@@ -169,9 +171,13 @@ class KVConnectorWorker:
             if rank_ops:
                 handles.append(self.agent.read(producer.peers[key], rank_ops))
                 self._num_ops += len(rank_ops)
-        length = stripe_length(source.num_tokens, pairing.local)
-        load = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s,
-                     [_StagedReads(key, 0, length) for key in sorted(staged) if length])
+        staged_reads = []
+        if staged:
+            local = pairing.local
+            stripe = DCPLayout(local.dcp_size, local.dcp_rank, local.block_size, local.dcp_interleave)
+            length = int(stripe.local_seq_lens(torch.tensor([source.num_tokens]))[0])  # this rank's tokens
+            staged_reads = [_StagedReads(key, 0, length) for key in sorted(staged) if length]
+        load = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s, staged_reads)
         self._loads[spec.request_id] = load
         try:
             self._advance_staged(load, producer)

@@ -116,7 +116,7 @@ class Worker:
         assert self.model is not None
         return staging_reserve_bytes(transfer.staging_chunk_pages, transfer.staging_slots,
                                      self.engine_config.block_size, self.model_config.latent_dim,
-                                     torch.tensor([], dtype=self.dtype).element_size(),
+                                     self.dtype.itemsize,
                                      len(list(self.model.mla_layers())))
 
     def _cache_budget_bytes(self) -> int:

@@ -74,10 +74,11 @@ def _assert_same(got, want) -> None:
             assert abs(la - b[token].logprob) <= LOGPROB_TOL
 
 
-def _settle(producer: LLM, consumer: LLM) -> None:
-    """Waits for the consumer's releases to reach the producer, then checks nothing is held."""
+def _settle(producer: LLM, consumer: LLM, within_s: float = 10.0) -> None:
+    """Waits for every consumer rank's release to reach the producer, then checks nothing is held by
+    either side's scheduler (which owns every stage's blocks and slots)."""
     core = _core(producer)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + within_s
     while core.scheduler.held_for_transfer and time.monotonic() < deadline:
         time.sleep(0.02)
         core.poll_transfers()

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from deltaserve.kv_transfer.pairing import pair_ranks, request_ops, staged_ops, stripe_length
+from deltaserve.distributed.dcp_layout import DCPLayout
+from deltaserve.kv_transfer.pairing import pair_ranks, request_ops, staged_ops
 from deltaserve.kv_transfer.staging import StagingPool, staging_reserve_bytes, stripe_positions
 
 from .test_pairing import LATENT, LAYERS, Rank, apply, producer
@@ -54,7 +55,7 @@ def test_staged_reads_land_the_bytes_of_the_per_token_path(chunk_pages, dtp, dcp
         rest = request_ops(pairing, local_blocks, remote_blocks, pbs, 1, 2, num_tokens, keys)
         for ops in rest.values():
             apply(ops)
-        length = stripe_length(num_tokens, staged.layout)
+        length = int(DCPLayout(dcp, tp_rank % dcp, dbs, interleave).local_seq_lens(torch.tensor([num_tokens]))[0])
         staged_count = 0
         for key in keys:
             pool = pools[key]
