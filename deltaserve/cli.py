@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--staging-chunk-pages", type=int, default=0, help="pages per MLA staging slot (0: off)")
     topo.add_argument("--staging-slots", type=int, default=16, help="MLA staging slots per producer GPU")
     topo.add_argument("--dtype", default="bfloat16", help="latent and conv dtype: bfloat16 | float16 | float32 | fp8")
+    topo.add_argument("--chunked-transfer", action="store_true",
+                      help="the producer runs chunked_transfer (KV sent while its prefill runs)")
     topo.set_defaults(func=run_topology_command)
 
     bench = sub.add_parser("bench", help="benchmarks and planning tools")

@@ -56,7 +56,8 @@ class RequestOutput:
         None for the first, then {token_id: Logprob} holding that prompt token (given the tokens
         before it) and the top-k at its position; set from the first output on.
     kv_transfer_params: under prefill/decode disaggregation, on a producer's finished output, what a
-        consumer needs to fetch this request's KV and KDA state (deltaserve/kv_transfer).
+        consumer needs to fetch this request's KV and KDA state (deltaserve/kv_transfer); under
+        chunked transfer also on an output without tokens before it, given when it was added.
     """
 
     request_id: str

@@ -62,7 +62,7 @@ from deltaserve.core.scheduler_output import (
     StateSave,
 )
 from deltaserve.core.state_pool import StateSlotPool
-from deltaserve.kv_transfer.metadata import KVConnectorOutput, LoadSpec
+from deltaserve.kv_transfer.metadata import KVConnectorOutput, LoadSpec, RemoteSource
 from deltaserve.kv_transfer.scheduler_side import KVConnectorScheduler
 
 NO_HIT = PrefixHit(0, [], None, 0)
@@ -212,7 +212,10 @@ class Scheduler:
 
     def _hold_for_transfer(self, request: Request, status: RequestStatus) -> bool:
         """P/D producer: keep a request finished for remote decode (its blocks and slots) for its consumer."""
-        if self.kv_connector is None or status == RequestStatus.FINISHED_ABORTED:
+        if self.kv_connector is None:
+            return False
+        if status == RequestStatus.FINISHED_ABORTED:
+            self.kv_connector.stream_lost(request.request_id, "the request was aborted on the producer")
             return False
         params = self.kv_connector.request_finished(
             request, self.kv_cache_manager.block_ids(request.request_id), self.state_pool.slot_of(request.request_id))
@@ -271,6 +274,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._free(request)
+        if self.kv_connector is not None:  # chunked transfer: its consumer may have read from the blocks freed
+            self.kv_connector.stream_lost(request.request_id, "the producer preempted the request mid-prefill")
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_outputs = 0  # the steps in flight are of its earlier life: their samples are dropped
@@ -416,6 +421,9 @@ class Scheduler:
             if request is None:
                 continue
             request.num_computed_tokens = request.num_prompt_tokens
+            final = kv_output.remote_params.get(request_id)
+            if final is not None:  # chunked transfer: the first token was learnt with the last part
+                request.remote_source = RemoteSource.from_params(final)
             request.output_token_ids.append(request.remote_source.first_token_id)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = 0

@@ -56,7 +56,8 @@ class EngineCoreOutput:
     stop_reason: the stop token id that ended it, if any.
     new_prompt_logprobs: the prompt logprobs the step computed (requests with prompt_logprobs); an
         output with these and no new token comes from a prefill chunk that did not sample.
-    kv_transfer_params: on a P/D producer's finished output, what its consumer needs (kv_transfer/).
+    kv_transfer_params: on a P/D producer's finished output, what its consumer needs (kv_transfer/);
+        under chunked transfer also on an output without tokens, given when the request is added.
     """
 
     request_id: str
@@ -116,8 +117,9 @@ class EngineCore:
         try:
             self._plan_caches(config, max_model_len)
             if config.kv_transfer_config is not None:
-                self.kv_transfer = KVTransferEngineSide.start(config.kv_transfer_config, self.executor.kv_layouts(),
-                                                              config.scheduler_block_size)
+                self.kv_transfer = KVTransferEngineSide.start(
+                    config.kv_transfer_config, self.executor.kv_layouts(), config.scheduler_block_size,
+                    config.parallel.decode_context_parallel_size)
             self._build_scheduler(config, max_model_len)
         except BaseException:
             if self.kv_transfer is not None:
@@ -135,6 +137,7 @@ class EngineCore:
         else:
             self.batch_queue_size = 2 if self.async_scheduling else 1
         self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
+        self._early_outputs: list[EngineCoreOutput] = []  # chunked transfer's params of requests just added
         self._max_batches_in_flight = 0
         logger.info(
             "deltaserve engine: model=%s dtype=%s device=%s executor=%s tp=%d pp=%d dcp=%d %s kv_blocks=%d "
@@ -231,10 +234,14 @@ class EngineCore:
             sampling_params=params,
             prompt_logprobs=params.prompt_logprobs is not None,
         )
+        early = None
         if self.kv_transfer is not None:  # a P/D consumer's request names where its prompt was prefilled
             request.remote_source = self.kv_transfer.scheduler.remote_source(params, request.num_prompt_tokens)
+            early = self.kv_transfer.scheduler.stream_started(request)
         self.scheduler.add_request(request)
         self._timings[req.request_id] = _Timing(req.arrival_time)
+        if early is not None:  # chunked transfer: the consumer may start reading while the prefill runs
+            self._early_outputs.append(EngineCoreOutput(req.request_id, [], kv_transfer_params=early))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                         ) -> None:
@@ -265,8 +272,15 @@ class EngineCore:
         With one step in flight (synchronous scheduling) every call schedules, runs and applies one
         step. With async scheduling the next step is scheduled and queued before the oldest is
         waited for, so the host's work overlaps the device's. Returns one output per request that
-        sampled in the applied step (none when no step was applied), and the turn's statistics.
+        sampled in the applied step (none when no step was applied), and the turn's statistics; a
+        P/D producer under chunked transfer first gives the kv_transfer_params of requests added
+        since the last turn (outputs without tokens).
         """
+        early, self._early_outputs = self._early_outputs, []
+        outputs, stats = self._step()
+        return early + outputs, stats
+
+    def _step(self) -> tuple[list[EngineCoreOutput], IterationStats]:
         stats = IterationStats()
         self.poll_transfers()
         queue = self._batch_queue
@@ -311,6 +325,8 @@ class EngineCore:
         update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request(),
                                                    runner_output.kv_connector_output)
         finished = {r.request_id: r for r in update.finished}
+        if self.kv_transfer is not None and self.kv_transfer.scheduler.streams:
+            self._publish_progress(scheduler_output)
         prompt_logprobs = dict(runner_output.prompt_logprobs)
         now = time.time()
         outputs = []
@@ -334,6 +350,8 @@ class EngineCore:
                 out.kv_transfer_params = request.kv_transfer_params
                 if out.kv_transfer_params is not None and lp is not None:  # P/D: the consumer reports them
                     out.kv_transfer_params["first_token_logprobs"] = [lp.token_ids, lp.logprobs, lp.rank]
+                if out.kv_transfer_params is not None and self.kv_transfer is not None:
+                    self.kv_transfer.scheduler.stream_done(request_id, dict(out.kv_transfer_params))
                 stats.finished.append(self._finished_stats(request, timing, now))
                 del self._timings[request_id]
             outputs.append(out)
@@ -346,6 +364,17 @@ class EngineCore:
                 outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=plp,
                                                 num_cached_tokens=request.num_cached_tokens or 0))
         return outputs
+
+    def _publish_progress(self, scheduler_output: SchedulerOutput) -> None:
+        """Chunked transfer: the prompt tokens this completed step computed become readable (the
+        step's output came back, so every stage has written them)."""
+        connector = self.kv_transfer.scheduler
+        for chunk in scheduler_output.chunks:
+            request = self.scheduler.get_request(chunk.request_id)
+            if chunk.request_id in connector.streams and request is not None:
+                ready = min(chunk.num_computed_tokens + len(chunk.token_ids), request.num_prompt_tokens)
+                connector.stream_progress(chunk.request_id, ready,
+                                          self.scheduler.kv_cache_manager.block_ids(chunk.request_id))
 
     def _remote_outputs(self, update: StepUpdate, finished: dict[str, Request], stats: IterationStats,
                         now: float) -> list[EngineCoreOutput]:

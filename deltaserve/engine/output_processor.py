@@ -76,6 +76,10 @@ class OutputProcessor:
             if out.new_prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             if not out.new_token_ids and out.finish_reason is None:
+                if out.kv_transfer_params is not None:  # a chunked-transfer producer's params, before any token
+                    early = self._make_output(state, False, None, None)
+                    early.kv_transfer_params = out.kv_transfer_params
+                    results.append(early)
                 continue  # a prefill chunk's prompt logprobs: kept for the first output
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             state.output_token_ids.extend(out.new_token_ids)

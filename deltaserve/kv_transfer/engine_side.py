@@ -30,14 +30,15 @@ class KVTransferEngineSide:
         self.num_staged_chunks = 0  # consumer: staged MLA chunks its ranks read
 
     @classmethod
-    def start(cls, config: KVTransferConfig, layouts: list[RankLayout], block_size: int) -> KVTransferEngineSide:
+    def start(cls, config: KVTransferConfig, layouts: list[RankLayout], block_size: int,
+              decode_context_parallel_size: int = 1) -> KVTransferEngineSide:
         """The scheduler side over `block_size`-token blocks; a producer also binds its side channel."""
         if not layouts:
             raise ValueError("kv_transfer_config is set but no rank registered its caches for transfer")
-        connector = KVConnectorScheduler(config, block_size)
+        connector = KVConnectorScheduler(config, block_size, decode_context_parallel_size=decode_context_parallel_size)
         channel = None
         if config.is_producer:
-            channel = ProducerSideChannel(config.kv_ip, config.kv_port, config.engine_id, layouts)
+            channel = ProducerSideChannel(config.kv_ip, config.kv_port, config.engine_id, layouts, connector.streams)
             connector.side_channel = (channel.host, channel.port)
         logger.info("kv transfer: %s as %s (engine_id %s, backend %s)%s", config.kv_connector, config.kv_role,
                     config.engine_id, config.backend,
@@ -69,6 +70,7 @@ class KVTransferEngineSide:
 
     def metrics(self) -> dict[str, Any]:
         return {"role": self.config.kv_role, "held_for_transfer": len(self.scheduler.held),
+                "streams": len(self.scheduler.streams),
                 "expired_transfers": self.scheduler.num_expired, "ops_posted": self.num_ops,
                 "staged_chunks": self.num_staged_chunks,
                 "partially_released": len(self.side_channel.partially_released()) if self.side_channel else 0}

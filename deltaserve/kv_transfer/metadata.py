@@ -26,6 +26,10 @@ class RemoteSource:
     num_tokens: int  # prompt tokens the blocks and the state cover
     first_token_id: int  # what the producer sampled after the prompt
     first_token_logprobs: tuple[list[int], list[float], int] | None = None  # (ids, logprobs, rank)
+    # chunked transfer: sent when the producer admitted the request, before its prefill ran, so the
+    # blocks, the slot and the first token are not known yet (empty, -1, -1): the consumer asks the
+    # producer's side channel for its progress and reads each computed part as it lands
+    chunked: bool = False
 
     def to_params(self) -> dict[str, Any]:
         """The consumer's kv_transfer_params (vLLM's do_remote_prefill / remote_* names)."""
@@ -36,6 +40,7 @@ class RemoteSource:
             "remote_state_slot": self.state_slot, "remote_num_tokens": self.num_tokens,
             "first_token_id": self.first_token_id,
             "first_token_logprobs": None if self.first_token_logprobs is None else list(self.first_token_logprobs),
+            "chunked": self.chunked,
         }
 
     @classmethod
@@ -57,6 +62,7 @@ class RemoteSource:
                 first_token_id=int(params["first_token_id"]),
                 first_token_logprobs=None if lp is None else ([int(t) for t in lp[0]], [float(x) for x in lp[1]],
                                                              int(lp[2])),
+                chunked=bool(params.get("chunked", False)),
             )
         except (TypeError, ValueError, IndexError) as e:
             raise ValueError(f"kv_transfer_params: a remote_* field has the wrong type ({e})") from None
@@ -89,11 +95,15 @@ class KVConnectorOutput:
     loads_in_flight: int = 0
     num_ops: int = 0  # consumer: transfer descriptors posted since the last report (every rank's)
     num_staged_chunks: int = 0  # consumer: staged chunks read since the last report
+    # consumer, chunked transfer: the producer's final kv_transfer_params of each finished load (its
+    # first token and that token's logprobs, learnt at the end of the producer's prefill)
+    remote_params: dict[str, dict] = field(default_factory=dict)
 
     def merge(self, other: KVConnectorOutput) -> None:
         self.finished_recving += other.finished_recving
         self.failed_recving.update(other.failed_recving)
         self.refused |= other.refused
+        self.remote_params.update(other.remote_params)
         self.num_ops += other.num_ops
         self.num_staged_chunks += other.num_staged_chunks
         self.loads_in_flight = other.loads_in_flight
@@ -109,6 +119,7 @@ class KVOutputAggregator:
         self.world_size = world_size
         self._reports: dict[str, dict[int, str | None]] = {}  # request -> rank -> None (done) or why it failed
         self._refused: set[str] = set()
+        self._remote_params: dict[str, dict] = {}
         self._num_ops = self._num_staged_chunks = 0
         self._in_flight: dict[int, int] = {}
 
@@ -120,6 +131,7 @@ class KVOutputAggregator:
         for request_id, why in output.failed_recving.items():
             self._reports.setdefault(request_id, {})[rank] = f"rank {rank}: {why}"
         self._refused |= output.refused
+        self._remote_params.update(output.remote_params)
         self._num_ops += output.num_ops
         self._num_staged_chunks += output.num_staged_chunks
         self._in_flight[rank] = output.loads_in_flight
@@ -140,5 +152,8 @@ class KVOutputAggregator:
                     out.refused.add(request_id)
             else:
                 out.finished_recving.append(request_id)
+                if request_id in self._remote_params:
+                    out.remote_params[request_id] = self._remote_params[request_id]
             self._refused.discard(request_id)
+            self._remote_params.pop(request_id, None)
         return out

@@ -93,8 +93,9 @@ def pair_ranks(local: RankLayout, remotes: list[RankLayout]) -> Pairing:
                    (local.tp_rank % ratio) * local.kda_heads, ratio * local.kda_heads)
 
 
-def latent_runs(num_tokens: int, local: RankLayout, remote_block_size: int) -> list[tuple[int, int, int]]:
-    """(position, local offset, length): the runs of the tokens in [0, num_tokens) that `local`
+def latent_runs(num_tokens: int, local: RankLayout, remote_block_size: int,
+                start: int = 0) -> list[tuple[int, int, int]]:
+    """(position, local offset, length): the runs of the tokens in [start, num_tokens) that `local`
     stores (its DCP stripe), each contiguous in position and in local offset and inside one producer
     page (`remote_block_size` tokens) and one local page (`local.block_size` tokens)."""
     if local.dcp_size == 1:
@@ -106,6 +107,10 @@ def latent_runs(num_tokens: int, local: RankLayout, remote_block_size: int) -> l
             stripes.append((round_start, round_start // period * width, min(width, num_tokens - round_start)))
     runs = []
     for position, offset, length in stripes:
+        if position + length <= start:
+            continue
+        cut = max(0, start - position)  # a stripe that starts before `start`: its tail only
+        position, offset, length = position + cut, offset + cut, length - cut
         while length > 0:
             n = min(length, remote_block_size - position % remote_block_size,
                     local.block_size - offset % local.block_size)
@@ -121,11 +126,22 @@ def request_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[i
     state (this rank's heads) from the producer, per producer rank; the latents of the producer ranks
     in `staged` are left out (read through their staging slots: `staged_ops`). ValueError when the
     blocks given do not cover the tokens."""
+    ops = latent_ops(pairing, local_blocks, remote_blocks, remote_block_size, 0, num_tokens, staged)
+    for key, state in state_ops(pairing, local_slot, remote_slot).items():
+        ops[key] += state
+    return ops
+
+
+def latent_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[int], remote_block_size: int,
+               start: int, end: int, staged: frozenset[RankKey] = frozenset()) -> dict[RankKey, list[TransferOp]]:
+    """The reads of the latents of tokens [start, end) (this rank's stripe of them), per producer
+    rank, leaving out the ranks in `staged`. A chunked transfer reads each computed part this way
+    while the producer's prefill goes on. ValueError when the blocks given do not cover the tokens."""
     local = pairing.local
-    if len(remote_blocks) * remote_block_size < num_tokens:
-        raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // remote_block_size)} producer blocks of "
+    if len(remote_blocks) * remote_block_size < end:
+        raise ValueError(f"{end} tokens need {-(-end // remote_block_size)} producer blocks of "
                          f"{remote_block_size}, the request names {len(remote_blocks)}")
-    runs = latent_runs(num_tokens, local, remote_block_size)
+    runs = latent_runs(end, local, remote_block_size, start)
     needed = -(-(runs[-1][1] + runs[-1][2]) // local.block_size) if runs else 0
     if len(local_blocks) < needed:
         raise ValueError(f"this rank's {len(runs)} latent runs need {needed} local blocks, "
@@ -149,6 +165,13 @@ def request_ops(pairing: Pairing, local_blocks: list[int], remote_blocks: list[i
             else:
                 layer_ops.append((dst, src, n * token_bytes))
         ops[key] += layer_ops
+    return ops
+
+
+def state_ops(pairing: Pairing, local_slot: int, remote_slot: int) -> dict[RankKey, list[TransferOp]]:
+    """The reads of one request's KDA state (this rank's heads of every KDA layer), per producer rank."""
+    local = pairing.local
+    ops: dict[RankKey, list[TransferOp]] = {key: [] for key in pairing.sources}
     for layer_id, key in pairing.kda_source.items():
         remote = pairing.sources[key]
         for part, (here, there) in enumerate(zip(local.kda[layer_id], remote.kda[layer_id], strict=True)):

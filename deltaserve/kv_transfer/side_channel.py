@@ -5,6 +5,8 @@ rank asks it for the producer's cache layouts (`handshake`: every producer rank'
 keyed by (pp_rank, tp_rank)), and, once its reads of a request are done, says so (`release`,
 naming the request, itself and how many consumer ranks read that request). A request is released
 when all its readers have said so; the producer's scheduler side then frees its blocks and slot.
+Under chunked transfer a consumer rank also asks for a request's `progress` while its prefill runs
+(the scheduler side's `streams` entry: tokens computed and their blocks, final params, or why not).
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ class JsonServer:
 class ProducerSideChannel(JsonServer):
     """Answers handshakes with `layouts` and collects releases; `drain_released()` takes them."""
 
-    def __init__(self, host: str, port: int, engine_id: str, layouts: list[RankLayout]) -> None:
+    def __init__(self, host: str, port: int, engine_id: str, layouts: list[RankLayout],
+                 streams: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__(host, port, "side-channel")
         self.engine_id = engine_id
+        self.streams = streams if streams is not None else {}  # the scheduler side's, read here
         self._handshake = json.dumps({"engine_id": engine_id,
                                       "layouts": [layout.to_json() for layout in layouts]}).encode()
         self._readers: dict[str, set[str]] = {}
@@ -89,6 +93,12 @@ class ProducerSideChannel(JsonServer):
                 del self._readers[request_id]
                 self._released.put(request_id)
             return b'{"ok": true}'
+        if kind == "progress":
+            progress = self.streams.get(str(message["request_id"]))
+            if progress is None:
+                progress = {"state": "gone", "why": "the producer holds no such request (freed after its timeout, "
+                                                    "or restarted)"}
+            return json.dumps(progress).encode()
         raise ValueError(f"unknown kind {kind!r}")
 
     def drain_released(self) -> list[str]:

@@ -90,7 +90,8 @@ class TransferSettings:
     """Page sizes and the request the costs are given for. block_size: the producer's page in
     tokens; decode_block_size: a decode rank's local page; dcp_interleave: consecutive tokens per
     DCP rank; staging_chunk_pages: destination pages per staging slot (0: no staging);
-    staging_slots: slots per producer GPU; dtype_bytes: bytes of a latent and of a conv value."""
+    staging_slots: slots per producer GPU; dtype_bytes: bytes of a latent and of a conv value;
+    chunked_transfer: the producer sends each prefill chunk's KV while its prefill runs."""
 
     block_size: int = 16
     decode_block_size: int = 16
@@ -99,6 +100,7 @@ class TransferSettings:
     staging_chunk_pages: int = 0
     staging_slots: int = 16
     dtype_bytes: int = 2
+    chunked_transfer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "decode_block_size", "dcp_interleave", "staging_slots", "dtype_bytes"):
@@ -271,6 +273,12 @@ def find_refusals(model: KimiLinearConfig, prefill: EngineTopology, decode: Engi
         out.append(Refusal("interleave", f"dcp interleave={settings.dcp_interleave} does not divide decode "
                                          f"block size={settings.decode_block_size} (prefill block size="
                                          f"{settings.block_size})"))
+    if settings.chunked_transfer and decode.dcp > 1:
+        out.append(Refusal("chunked_to_dcp", f"chunked transfer cannot reach a DCP decode: decode dcp={decode.dcp} "
+                                             f"(prefill pp={prefill.pp} x tp={prefill.tp}); a DCP rank reads its "
+                                             "token stripe per token or through the producer's staging of a "
+                                             "finished request. A decode refuses such requests at admission "
+                                             "(HTTP 400); run the producer without chunked_transfer"))
     for stage in stages:
         if not stage.kda_layer_ids:
             out.append(Refusal("stage_without_kda", f"prefill stage pp_rank={stage.pp_rank} (of pp={prefill.pp}) "
@@ -432,7 +440,7 @@ def run_topology_command(args: argparse.Namespace) -> int:
     settings = TransferSettings(
         block_size=args.block_size, decode_block_size=args.decode_block_size, dcp_interleave=args.dcp_interleave,
         prompt_tokens=args.prompt_tokens, staging_chunk_pages=args.staging_chunk_pages,
-        staging_slots=args.staging_slots, dtype_bytes=DTYPE_BYTES[args.dtype],
+        staging_slots=args.staging_slots, dtype_bytes=DTYPE_BYTES[args.dtype], chunked_transfer=args.chunked_transfer,
     )
     plan = plan_topology(model, parse_topology(args.prefill), parse_topology(args.decode), settings)
     print(format_plan(plan, args.model, model))

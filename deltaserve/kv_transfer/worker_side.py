@@ -12,6 +12,11 @@ Staging (`staging_chunk_pages` on the producer): each producer rank with MLA lay
 staging pool and its server (kv_transfer/staging.py). A DCP consumer rank reads its latents from such a
 rank chunk by chunk, one chunk in flight per producer rank: ask it to stage the chunk, read the slot
 (one op per destination page per layer), unstage it, next chunk; `poll` drives the chunks.
+
+Chunked transfer (params marked "chunked", given before the producer's prefill ran): each `poll`
+asks the producer's side channel for the request's progress and reads the latents of the prompt
+tokens computed since the last ask; once the producer reports the request finished, the rest of
+the latents, the KDA state and the final params (the first token) follow.
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ from deltaserve.config.parallel import ParallelConfig
 from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.kv_transfer.config import KVTransferConfig
 from deltaserve.kv_transfer.layout import RankLayout, TensorRows
-from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from deltaserve.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemoteSource
 from deltaserve.kv_transfer.pairing import (
     Pairing,
     PairingError,
     RankKey,
+    latent_ops,
     pair_ranks,
     request_ops,
     staged_ops,
+    state_ops,
 )
 from deltaserve.kv_transfer.side_channel import SideChannelError, ask, handshake
 from deltaserve.kv_transfer.staging import StagingPool, StagingServer
@@ -71,6 +78,8 @@ class _Load:
     handles: list[TransferHandle]
     deadline: float
     staged: list[_StagedReads] = field(default_factory=list)
+    read_to: int = 0  # chunked transfer: prompt tokens whose latents have been posted
+    final_params: dict | None = None  # chunked transfer: the producer's params once it finished
 
 
 class KVConnectorWorker:
@@ -96,9 +105,11 @@ class KVConnectorWorker:
         name = f"{self.config.engine_id}-pp{self.parallel.pipeline_parallel_rank}-tp" \
                f"{self.parallel.tensor_parallel_rank}-{uuid.uuid4().hex[:6]}"
         device = next(iter(model.parameters())).device
-        if device.type != "cpu":
-            raise ValueError(f"kv_transfer_config: moving caches on {device.type} is not built yet (the transfer "
-                             "agents register host memory); run the P/D pair with --device cpu for now")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kv_transfer_config: caches on {device.type} cannot be registered for transfer "
+                             "(host or CUDA memory only)")
+        cuda_index = None if device.type == "cpu" else (device.index if device.index is not None
+                                                        else torch.cuda.current_device())
         self.agent = make_agent(self.config.backend, name, self.config.kv_ip)
         mla, kda, heads = {}, {}, 0
         for key, layer in model.layers.items():
@@ -112,7 +123,8 @@ class KVConnectorWorker:
         staging: dict = {}
         if self.config.is_producer and self.config.staging_chunk_pages and mla:
             caches = {int(key): layer.self_attn.kv_cache for key, layer in model.layers.items() if not layer.is_kda}
-            pool = StagingPool(caches, self.config.staging_chunk_pages, self.config.staging_slots, self.block_size)
+            pool = StagingPool(caches, self.config.staging_chunk_pages, self.config.staging_slots, self.block_size,
+                               self.config.staging_stream_priority)
             self.staging = StagingServer(pool, self.config.kv_ip, self.config.transfer_timeout_s)
             staging = pool.rows()
         layout = RankLayout(p.pipeline_parallel_rank, p.tensor_parallel_rank, p.tensor_parallel_size, self.block_size,
@@ -120,7 +132,7 @@ class KVConnectorWorker:
                             p.decode_context_parallel_rank, self.dcp_interleave, staging,
                             self.staging.pool.capacity if self.staging else 0,
                             self.staging.host if self.staging else "", self.staging.port if self.staging else 0)
-        self.agent.register(layout.regions())
+        self.agent.register(layout.regions(), cuda_index)
         self.layout = layout.with_metadata(base64.b64encode(self.agent.metadata()).decode())
         return self.layout
 
@@ -161,6 +173,18 @@ class KVConnectorWorker:
         assert self.agent is not None and self.layout is not None
         source = spec.source
         producer = self._producer(source.host, source.port, source.engine_id)
+        if source.chunked:
+            if producer.pairing.local.dcp_size > 1:
+                raise PairingError(f"chunked transfer cannot reach a decode with decode_context_parallel_size="
+                                   f"{producer.pairing.local.dcp_size} (the producer {source.engine_id} runs it)")
+            load = _Load(spec, [], time.monotonic() + self.config.transfer_timeout_s)
+            self._loads[spec.request_id] = load
+            try:
+                self._advance_chunked(load, producer)
+            except BaseException:
+                del self._loads[spec.request_id]
+                raise
+            return
         handles = []
         pairing = producer.pairing
         staged = frozenset(key for key in set(pairing.mla_source.values())
@@ -185,6 +209,39 @@ class KVConnectorWorker:
             self._unstage_all(load)
             del self._loads[spec.request_id]
             raise
+
+    def _advance_chunked(self, load: _Load, producer: _Producer) -> bool:
+        """Chunked transfer: posts the reads of what the producer computed since the last call; True
+        once it finished and every read is posted (the last with the state). TransferError when the
+        producer dropped the request, SideChannelError when it does not answer."""
+        assert self.agent is not None
+        if load.final_params is not None:
+            return True
+        source, pairing = load.spec.source, producer.pairing
+        progress = ask(source.host, source.port, {"kind": "progress", "request_id": source.request_id},
+                       timeout_ms=2000)
+        if progress["state"] == "gone":
+            raise TransferError(f"the producer dropped request {source.request_id}: {progress['why']}")
+        if progress["state"] == "running":
+            ready, blocks, state = int(progress["ready"]), progress["block_ids"], None
+        else:
+            final = RemoteSource.from_params(progress["params"])
+            ready, blocks, state = source.num_tokens, final.block_ids, final.state_slot
+        if ready > load.read_to or state is not None:
+            ops = latent_ops(pairing, load.spec.block_ids, blocks, source.block_size, load.read_to, ready)
+            if state is not None:
+                for key, rank_ops in state_ops(pairing, load.spec.state_slot, state).items():
+                    ops[key] += rank_ops
+            for key, rank_ops in ops.items():
+                if rank_ops:
+                    load.handles.append(self.agent.read(producer.peers[key], rank_ops))
+                    self._num_ops += len(rank_ops)
+            load.read_to = ready
+            load.deadline = time.monotonic() + self.config.transfer_timeout_s  # it moves: wait on
+        if state is None:
+            return False
+        load.final_params = progress["params"]
+        return True
 
     def _advance_staged(self, load: _Load, producer: _Producer) -> bool:
         """Moves each producer rank's staged chunks on: while its chunk in flight is read, unstage it,
@@ -245,9 +302,11 @@ class KVConnectorWorker:
         now = time.monotonic()
         for request_id, load in list(self._loads.items()):
             try:
-                done = all([self.agent.poll(h) for h in load.handles])
+                producer = self._producers.get((load.spec.source.host, load.spec.source.port))
+                # a chunked load posts its new reads first: it is done once those have landed too
+                posted = self._advance_chunked(load, producer) if load.spec.source.chunked else True
+                done = all([self.agent.poll(h) for h in load.handles]) and posted
                 if load.staged:
-                    producer = self._producers[(load.spec.source.host, load.spec.source.port)]
                     done = self._advance_staged(load, producer) and done
                 if not done and now > load.deadline:
                     raise TransferError(f"not done after transfer_timeout_s={self.config.transfer_timeout_s}")
@@ -259,6 +318,8 @@ class KVConnectorWorker:
                 if not done:
                     continue
                 out.finished_recving.append(request_id)
+                if load.final_params is not None:
+                    out.remote_params[request_id] = load.final_params
             del self._loads[request_id]
             self._release(load.spec)
         out.loads_in_flight = len(self._loads)

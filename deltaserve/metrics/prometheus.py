@@ -97,6 +97,9 @@ class EngineMetrics:
                                     ["model_name", "stage"], registry=r)
         self.transfers_held = gauge("kv_transfer_held_requests",
                                     "P/D producer: finished requests whose KV and state wait for their consumer.")
+        self.transfers_streaming = gauge("kv_transfer_streams",
+                                         "P/D producer, chunked transfer: requests whose progress consumers can ask "
+                                         "for (running, held, or ended and kept until their timeout).")
         self.transfers_waiting = gauge("kv_transfer_loading_requests",
                                        "P/D consumer: requests waiting for their KV and state to arrive.")
         self.transfers_expired = counter("kv_transfer_expired",
@@ -151,6 +154,7 @@ class EngineMetrics:
         transfer = snapshot.get("kv_transfer")
         if transfer is not None:
             self.transfers_held.set(transfer["held_for_transfer"])
+            self.transfers_streaming.set(transfer["streams"])
             self.transfers_waiting.set(transfer["remote_waiting"])
             self._increment("transfers_expired", self.transfers_expired, transfer["expired_transfers"])
         cps = snapshot.get("checkpoints")

@@ -1,8 +1,10 @@
 """A disaggregated deployment on loopback: a prefill server, a decode server and the proxy, each
-server its own process tree, over NIXL and Mooncake, for P TP1 -> D TP1, P PP2 -> D TP2 and
-P PP2 -> D TP2 x DCP2. Answers through the proxy equal the colocated `server`'s (same random weights);
-200 requests aborted through the proxy leave nothing held on either side; a producer killed before
-its consumer reads: the decode recomputes, or fails the request with an error, by its policy.
+server its own process tree, over NIXL and Mooncake, for P TP1 -> D TP1, P PP2 -> D TP2,
+P PP2 -> D TP2 x DCP2 and P PP2 -> D TP2 under chunked transfer (the decode leg starts on the
+producer's early params and reads while the prefill runs; a DCP decode refuses those at admission).
+Answers through the proxy equal the colocated `server`'s (same random weights); 200 requests
+aborted through the proxy leave nothing held on either side; a producer killed before its consumer
+reads: the decode recomputes, or fails the request with an error, by its policy.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ BACKENDS = {"MooncakeConnector": "mooncake", "NixlConnector": "nixl"}
 LAYOUTS = {
     "tp1_to_tp1": ((), ()),
     "pp2_to_tp2": (("--pipeline-parallel-size", "2"), ("--tensor-parallel-size", "2")),
+    "pp2_to_tp2_chunked": (("--pipeline-parallel-size", "2"), ("--tensor-parallel-size", "2")),
     "pp2_to_tp2_dcp2": (("--pipeline-parallel-size", "2"),
                         ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2")),
 }
 CASES = [("MooncakeConnector", "tp1_to_tp1"), ("NixlConnector", "tp1_to_tp1"), ("NixlConnector", "pp2_to_tp2"),
-         ("MooncakeConnector", "pp2_to_tp2_dcp2")]
+         ("MooncakeConnector", "pp2_to_tp2_dcp2"), ("MooncakeConnector", "pp2_to_tp2_chunked")]
 PRODUCER_TIMEOUT_S = 20  # a request whose client left after its prefill leg is freed after this
 
 
@@ -48,7 +51,8 @@ def pd(request, server):
     connector, layout = request.param
     _needs(connector)
     prefill_args, decode_args = LAYOUTS[layout]
-    producer = _kv_config(connector, "kv_producer", transfer_timeout_s=PRODUCER_TIMEOUT_S)
+    producer = _kv_config(connector, "kv_producer", transfer_timeout_s=PRODUCER_TIMEOUT_S,
+                          chunked_transfer=layout.endswith("_chunked"))
     with RemoteServer("--served-model-name", "tiny", *prefill_args, "--kv-transfer-config", producer) as prefill, \
             RemoteServer("--served-model-name", "tiny", *decode_args, "--kv-transfer-config",
                          _kv_config(connector, "kv_consumer")) as decode, \
@@ -76,6 +80,7 @@ def _settled(prefill: RemoteServer, decode: RemoteServer, within_s: float) -> No
         with decode.client() as client:
             d = scrape(client)
         held = {"producer held": p["deltaserve:kv_transfer_held_requests"],
+                "producer streams": p["deltaserve:kv_transfer_streams"],
                 "producer kv usage": p["deltaserve:kv_cache_usage_perc"],
                 "producer slot usage": p["deltaserve:state_slot_usage_perc"],
                 "consumer loading": d["deltaserve:kv_transfer_loading_requests"],
@@ -124,6 +129,22 @@ def test_the_proxy_answers_as_a_colocated_server(pd):
     # 7 requests of 12 tokens: the first is the producer's, 11 decoded here; no prompt token computed here
     assert metrics["deltaserve:computed_tokens_total"] == 7 * 11
     _settled(prefill, decode, within_s=30)
+
+
+def test_a_dcp_decode_refuses_chunked_transfer_at_admission(pd, request):
+    if "dcp2" not in request.node.callspec.id:
+        pytest.skip("the refusal is a DCP decode's")
+    _, decode, _, _ = pd
+    params = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+              "remote_port": 1, "remote_request_id": "r", "remote_block_ids": [], "remote_block_size": 16,
+              "remote_state_slot": -1, "remote_num_tokens": 4, "first_token_id": -1, "chunked": True}
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "kv_transfer_params": params}
+    response = httpx.post(decode.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "chunked transfer" in message and "decode_context_parallel_size=2" in message
+    with decode.client() as client:  # refused before it was queued
+        assert scrape(client)["deltaserve:num_requests_waiting"] == 0
 
 
 async def _abort_many(url: str, count: int, concurrency: int = 16) -> None:

@@ -23,14 +23,20 @@ PREFILL_IDS = [11, 12, 13, 14]
 
 
 class FakeBackend:
-    """A deltaserve stand-in: a prefill leg (kv_transfer_params.do_remote_decode) gets one token, the
-    prompt ids and params naming this backend; a decode leg gets its text, streamed in two events
-    (the second once `gate` is set). `status` makes it answer an error; `hold` delays every answer."""
+    """A deltaserve stand-in: a prefill leg (kv_transfer_params.do_remote_decode, streamed) gets the
+    prompt ids, one token and params naming this backend; with `chunked`, the params come in the
+    first event, and the last waits for `prefill_gate`. A decode leg gets its text, streamed in two
+    events (the second once `gate` is set). `status` makes it answer an error; `hold` delays every
+    answer; `fail_prefill_stream` ends a prefill stream with an error event."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.received: list[dict[str, Any]] = []
         self.status: int | None = None
+        self.chunked = False
+        self.fail_prefill_stream = False
+        self.prefill_gate = threading.Event()
+        self.prefill_done = threading.Event()
         self.gate = threading.Event()
         self.hold = threading.Event()
         self.app = FastAPI()
@@ -42,6 +48,9 @@ class FakeBackend:
     def reset(self) -> None:
         self.received.clear()
         self.status = None
+        self.chunked = self.fail_prefill_stream = False
+        self.prefill_gate.set()
+        self.prefill_done.clear()
         self.gate.clear()
         self.hold.set()
 
@@ -60,8 +69,7 @@ class FakeBackend:
                      "param": "max_tokens", "code": None}
             return JSONResponse({"error": error}, status_code=self.status)
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            return {"choices": [{"index": 0, "text": "x", "prompt_token_ids": PREFILL_IDS, "token_ids": [1]}],
-                    "kv_transfer_params": {"remote_engine_id": self.name, "remote_block_ids": [7]}}
+            return StreamingResponse(self._prefill_events(), media_type="text/event-stream")
         if not body.get("stream"):
             return {"choices": [{"index": 0, "text": f"from {self.name}"}], "kv_transfer_params": None}
 
@@ -72,6 +80,22 @@ class FakeBackend:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _prefill_events(self):
+        params = {"remote_engine_id": self.name, "remote_block_ids": [7]}
+        first = {"choices": [{"index": 0, "text": "", "prompt_token_ids": PREFILL_IDS, "token_ids": []}]}
+        if self.chunked:
+            first["kv_transfer_params"] = {**params, "chunked": True}
+        yield f"data: {json.dumps(first)}\n\n"
+        await self._wait(self.prefill_gate)
+        if self.fail_prefill_stream:
+            yield f"data: {json.dumps({'error': {'message': 'the engine died', 'type': 'server_error'}})}\n\n"
+        else:
+            last = {"choices": [{"index": 0, "text": "x", "token_ids": [1], "finish_reason": "length"}],
+                    "kv_transfer_params": params}
+            yield f"data: {json.dumps(last)}\n\n"
+        yield "data: [DONE]\n\n"
+        self.prefill_done.set()
 
 
 def _closed_port_url() -> str:
@@ -126,7 +150,7 @@ def test_legs_carry_the_right_fields(fakes, proxy, path):
     (prefill,), (decode,) = _served(fakes, "p0", "p1"), _served(fakes, "d0", "d1")
     assert prefill["path"] == decode["path"] == path
     leg = prefill["body"]
-    assert leg["max_tokens"] == 1 and leg["stream"] is False and leg["return_token_ids"] is True
+    assert leg["max_tokens"] == 1 and leg["stream"] is True and leg["return_token_ids"] is True
     assert leg["kv_transfer_params"] == {"do_remote_decode": True} and leg["n"] == 2 and "min_tokens" not in leg
     if path == "/v1/chat/completions":
         assert leg["max_completion_tokens"] == 1
@@ -154,8 +178,40 @@ def test_stream_passes_through_chunk_by_chunk(fakes, proxy):
     assert [json.loads(line[6:])["choices"][0]["text"] for line in rest[:-1]] == ["two"]
     assert rest[-1] == "data: [DONE]"
     (prefill,), (decode,) = _served(fakes, "p0", "p1"), _served(fakes, "d0", "d1")
-    assert prefill["body"]["stream"] is False and "stream_options" not in prefill["body"]
+    assert prefill["body"]["stream"] is True and "stream_options" not in prefill["body"]
     assert decode["body"]["stream"] is True and decode["body"]["stream_options"] == {"include_usage": True}
+
+
+def test_a_chunked_producer_starts_the_decode_leg_while_its_prefill_runs(fakes, proxy):
+    for b in fakes.values():
+        b.chunked = True
+        b.prefill_gate.clear()  # the prefills send their params, then wait
+    response = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"].startswith("from d")
+    (decode,) = _served(fakes, "d0", "d1")
+    (prefill_name,) = [n for n in ("p0", "p1") if fakes[n].received]
+    assert decode["body"]["kv_transfer_params"] == {"remote_engine_id": prefill_name, "remote_block_ids": [7],
+                                                    "chunked": True}
+    assert decode["body"]["prompt"] == PREFILL_IDS
+    assert not fakes[prefill_name].prefill_done.is_set()  # answered before the prefill finished
+    gauge = f"deltaserve_proxy_backend_in_flight{{backend={fakes[prefill_name].url},role=prefill}}"
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        assert scrape(client)[gauge] == 1  # the prefill leg is still read, in the background
+        fakes[prefill_name].prefill_gate.set()
+        assert fakes[prefill_name].prefill_done.wait(10)
+        deadline = time.monotonic() + 10
+        while scrape(client)[gauge] != 0:
+            assert time.monotonic() < deadline, "the prefill leg was not read to its end"
+            time.sleep(0.02)
+
+
+def test_a_prefill_stream_ending_in_an_error_is_a_502(fakes, proxy):
+    for b in fakes.values():
+        b.fail_prefill_stream = True
+    response = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert response.status_code == 502
+    assert "prefill leg" in response.json()["error"]["message"] and "the engine died" in response.text
+    assert not _served(fakes, "d0", "d1")
 
 
 def test_round_robin_alternates(fakes, proxy):

@@ -152,6 +152,8 @@ def test_48b_pp8_to_tp8_dcp8_bytes_and_descriptors():
     ("pp=2", "tp=2,pp=2", {}, "pp_decode", ["a PP decode consumer is not supported", "decode pp=2"]),
     ("tp=1", "tp=4,dcp=3", {}, "dcp_divides_tp", ["dcp=3", "decode tp=4"]),
     ("tp=1", "tp=2,dcp=2", {"dcp_interleave": 3}, "interleave", ["interleave=3", "decode block size=16"]),
+    ("pp=8", "tp=8,dcp=8", {"chunked_transfer": True}, "chunked_to_dcp", ["decode dcp=8", "prefill pp=8",
+                                                                          "HTTP 400"]),
 ])
 def test_each_refusal_names_both_sides(prefill, decode, settings, kind, names):
     plan = plan_topology(K48B, parse_topology(prefill), parse_topology(decode), TransferSettings(**settings))

@@ -599,7 +599,7 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # on the last chunk only (sent only when set)
+    kv_transfer_params: dict[str, Any] | None = None  # on the last chunk (chunked transfer: the first); sent when set
 
 
 class ChatCompletionTopLogprob(BaseModel):
@@ -684,7 +684,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # on the last chunk only (sent only when set)
+    kv_transfer_params: dict[str, Any] | None = None  # on the last chunk (chunked transfer: the first); sent when set
 
 
 class ModelCard(BaseModel):

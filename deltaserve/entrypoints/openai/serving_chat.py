@@ -180,10 +180,10 @@ class ChatHandler:
         with_ids = body.return_token_ids
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None,
-                  last: bool = False) -> str:
+                  last: bool = False, early: dict | None = None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                                     usage=usage,
-                                                    kv_transfer_params=kv_transfer_params(finals) if last else None),
+                                                    kv_transfer_params=kv_transfer_params(finals) if last else early),
                        token_ids=with_ids)
 
         for choice, _, _ in planned:  # the role comes first, as in OpenAI's streams
@@ -194,7 +194,9 @@ class ChatHandler:
             logprobs = None
             if top_k >= 0 and d.logprobs is not None:
                 logprobs = chat_logprobs(d.logprobs, d.token_ids, top_k)
-            if not d.text and not d.output.finished and logprobs is None and not (with_ids and d.token_ids):
+            early = None if d.output.finished else d.output.kv_transfer_params  # chunked transfer's, before tokens
+            if not d.text and not d.output.finished and logprobs is None and not (with_ids and d.token_ids) \
+                    and early is None:
                 continue
             last = len(finals) == len(planned) and d.output.finished and not body.include_usage
             yield chunk([ChatCompletionResponseStreamChoice(
@@ -202,6 +204,6 @@ class ChatHandler:
                 logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                 prompt_token_ids=list(d.output.prompt_token_ids) if with_ids and d.first else None,
                 token_ids=list(d.token_ids) if with_ids else None,
-            )], last=last)
+            )], last=last, early=early)
         if body.include_usage:
             yield chunk([], make_usage(finals, body.n), last=True)

@@ -228,7 +228,8 @@ _TOKEN_ID_FIELDS = {"prompt_token_ids", "token_ids"}
 
 def sse(payload: Any, token_ids: bool = True) -> str:
     """One server-sent event carrying a pydantic model. A null `kv_transfer_params` (set on a stream's
-    last chunk only) is left out, and so are the choices' token-id fields when `token_ids` is False."""
+    last chunk, and on a chunked-transfer producer's first) is left out, and so are the choices'
+    token-id fields when `token_ids` is False."""
     exclude: dict[str, Any] = {}
     if "kv_transfer_params" in type(payload).model_fields and payload.kv_transfer_params is None:
         exclude["kv_transfer_params"] = True

@@ -155,7 +155,8 @@ class CompletionHandler:
                 logprobs, offsets[d.choice] = completion_logprobs(entries, token_ids, offsets.get(d.choice, 0),
                                                                   self.ctx.engine.tokenizer)
             new_ids = with_ids and bool(d.token_ids)
-            if not text and not d.output.finished and logprobs is None and not new_ids:
+            early = None if d.output.finished else d.output.kv_transfer_params  # chunked transfer's, before tokens
+            if not text and not d.output.finished and logprobs is None and not new_ids and early is None:
                 continue
             choice = CompletionResponseStreamChoice(
                 index=d.choice, text=text, logprobs=logprobs,
@@ -165,7 +166,7 @@ class CompletionHandler:
             )
             last = len(finals) == len(planned) and d.output.finished and not body.include_usage
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
-                                               kv_transfer_params=kv_transfer_params(finals) if last else None))
+                                               kv_transfer_params=kv_transfer_params(finals) if last else early))
         if body.include_usage:
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                usage=make_usage(finals, body.n),

@@ -2,10 +2,12 @@
 server is sent once the prefill answered, and the OpenAI error a failed leg turns into.
 
 Prefill leg: the client's body with max_tokens 1 (max_completion_tokens 1 too, when the chat body has
-it), stream false, return_token_ids true, kv_transfer_params {"do_remote_decode": true}; min_tokens and
-stream_options are dropped, n is kept. Decode leg: the client's body with the prefill's
-kv_transfer_params and its prompt as token ids (`prompt` for completions, `prompt_token_ids` for chat,
-so no chat template is rendered twice).
+it), stream true, return_token_ids true, kv_transfer_params {"do_remote_decode": true}; min_tokens and
+stream_options are dropped, n is kept. Its events are read into a `PrefillAnswer`: the prompt's token
+ids and the producer's kv_transfer_params, which a chunked-transfer producer sends in its first event
+(the decode leg starts then, while the prefill runs) and any other in its last. Decode leg: the
+client's body with the prefill's kv_transfer_params and its prompt as token ids (`prompt` for
+completions, `prompt_token_ids` for chat, so no chat template is rendered twice).
 """
 
 from __future__ import annotations
@@ -38,10 +40,47 @@ def check_body(endpoint: str, body: Any) -> dict[str, Any]:
 def prefill_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """What the prefill server is sent: compute the prompt, one token, keep the state for a decode."""
     leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    leg.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params={"do_remote_decode": True})
+    leg.update(max_tokens=1, stream=True, return_token_ids=True, kv_transfer_params={"do_remote_decode": True})
     if endpoint == CHAT and "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
     return leg
+
+
+class PrefillAnswer:
+    """What the prefill leg's server-sent events said: `add` each event's JSON; `early` once a
+    chunked-transfer producer has given its params and the prompt (the decode leg may start)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.prompt_token_ids: list[int] | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+
+    def add(self, event: Any) -> None:
+        """One event's JSON; an error event raises its OpenAIError (a 502 naming the prefill leg)."""
+        if not isinstance(event, dict):
+            return
+        error = event.get("error")
+        if isinstance(error, dict):
+            raise OpenAIError(f"prefill leg ({self.url}) failed: {error.get('message', error)}", 502,
+                              code="prefill_failed", type_="server_error")
+        if isinstance(event.get("kv_transfer_params"), dict):
+            self.kv_transfer_params = event["kv_transfer_params"]
+        if self.prompt_token_ids is None:
+            for choice in event.get("choices") or []:
+                ids = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
+                if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+                    self.prompt_token_ids = ids
+                    break
+
+    @property
+    def early(self) -> bool:
+        params = self.kv_transfer_params
+        return params is not None and bool(params.get("chunked")) and self.prompt_token_ids is not None
+
+    def as_response(self) -> dict[str, Any]:
+        """The answer shaped as a non-streamed one (what `decode_body` reads)."""
+        choices = [] if self.prompt_token_ids is None else [{"index": 0, "prompt_token_ids": self.prompt_token_ids}]
+        return {"choices": choices, "kv_transfer_params": self.kv_transfer_params}
 
 
 def prompt_token_ids(response: dict[str, Any], url: str) -> list[int]:

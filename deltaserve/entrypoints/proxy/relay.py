@@ -1,5 +1,10 @@
 """One P/D request through its two legs: pick the backends, send the prefill leg, then the decode leg,
-streamed through as server-sent events when the client asked for a stream, else as JSON."""
+streamed through as server-sent events when the client asked for a stream, else as JSON.
+
+The prefill leg is read as a stream. From a chunked-transfer producer its first event carries the
+params, and the decode leg starts then, while the prefill runs; the rest of the prefill leg is read
+in the background (closing it would abort the prefill), and a prefill that fails after that reaches
+the client through the decode leg, whose load fails."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from deltaserve.entrypoints.openai.errors import OpenAIError
 from deltaserve.entrypoints.proxy.config import ProxyOptions
 from deltaserve.entrypoints.proxy.legs import (
     ENDPOINT_PATHS,
+    PrefillAnswer,
     check_body,
     decode_body,
     leg_failed,
@@ -52,6 +58,7 @@ class Relay:
         self.metrics = metrics
         self.prefill = BackendPool("prefill", options.prefill_urls, options.policy, metrics.backend_changed)
         self.decode = BackendPool("decode", options.decode_urls, options.policy, metrics.backend_changed)
+        self._draining: set[asyncio.Task] = set()  # prefill legs read on after their decode leg started
 
     def backend_headers(self, request: Request) -> dict[str, str]:
         """The backends get `--backend-api-key` when one is set, else the client's Authorization header."""
@@ -100,19 +107,50 @@ class Relay:
     async def _prefill(self, endpoint: str, body: dict[str, Any], headers: dict[str, str],
                        ) -> tuple[dict[str, Any], str]:
         started = time.monotonic()
-        with self.prefill.lease() as backend:
-            try:
-                response = await self._send("prefill", backend, ENDPOINT_PATHS[endpoint], prefill_body(endpoint, body),
-                                            headers)
-            finally:
-                self.metrics.leg_seconds.labels(leg="prefill").observe(time.monotonic() - started)
-        if response.status_code >= 400:
-            raise leg_failed("prefill", backend.url, response)
+        backend = self.prefill.acquire()
+        response: httpx.Response | None = None
+
+        async def finish() -> None:
+            if response is not None:
+                await response.aclose()
+            self.prefill.release(backend)
+            self.metrics.leg_seconds.labels(leg="prefill").observe(time.monotonic() - started)
+
         try:
-            return response.json(), backend.url
-        except ValueError as e:
-            raise OpenAIError(f"prefill leg ({backend.url}): the answer is not JSON", 502,
-                              code="prefill_bad_response", type_="server_error") from e
+            response = await self._send("prefill", backend, ENDPOINT_PATHS[endpoint], prefill_body(endpoint, body),
+                                        headers, stream=True)
+            if response.status_code >= 400:
+                await response.aread()
+                raise leg_failed("prefill", backend.url, response)
+            answer = PrefillAnswer(backend.url)
+            events = _events(response)
+            try:
+                async for event in events:
+                    answer.add(event)
+                    if answer.early:
+                        break
+            except httpx.HTTPError as e:
+                raise leg_unreachable("prefill", backend.url, e) from e
+        except BaseException:
+            await finish()
+            raise
+        if answer.early:  # chunked transfer: the decode leg starts now; the prefill leg is read to its end
+            task = asyncio.ensure_future(self._drain(events, finish))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+        else:
+            await finish()
+        return answer.as_response(), backend.url
+
+    @staticmethod
+    async def _drain(events: AsyncIterator[Any], finish: Callable[[], Awaitable[None]]) -> None:
+        try:
+            async for _ in events:
+                pass
+        except httpx.HTTPError:
+            pass  # the prefill server went away: the decode leg's load fails and says so
+        finally:
+            await finish()
 
     async def _decode(self, endpoint: str, leg: dict[str, Any], headers: dict[str, str]) -> Response:
         started = time.monotonic()
@@ -158,3 +196,14 @@ class Relay:
             self.metrics.requests.labels(endpoint=endpoint, outcome=outcome[0]).inc()
 
         return RelayedStream(events(), on_close)
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON of each server-sent event of `response`, up to "[DONE]"."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            try:
+                yield json.loads(line[len("data: "):])
+            except ValueError as e:
+                raise OpenAIError(f"prefill leg: an event is not JSON: {line[:200]!r}", 502,
+                                  code="prefill_bad_response", type_="server_error") from e
