@@ -97,13 +97,14 @@ def run(mode_caching: bool, args: argparse.Namespace) -> dict:
     }
 
 
-def long_context_tiny(max_len: int) -> str:
-    """The tiny preset's weights with `model_max_length` raised: the model has no positional encoding."""
+def long_context_tiny(max_len: int, preset: str = "tiny") -> str:
+    """The preset's weights (tiny by default) with `model_max_length` raised: the model has no
+    positional encoding."""
     from deltaserve.model_files.make_model import make_model
 
-    out = os.path.join(tempfile.gettempdir(), f"deltaserve-tiny-{max_len}")
+    out = os.path.join(tempfile.gettempdir(), f"deltaserve-{preset}-{max_len}")
     if not os.path.isfile(os.path.join(out, "config.json")):
-        make_model("tiny", out, seed=0)
+        make_model(preset, out, seed=0)
     path = os.path.join(out, "config.json")
     with open(path) as f:
         config = json.load(f)

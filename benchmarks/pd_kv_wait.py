@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import importlib.metadata
 import json
 import os
 import random
@@ -57,7 +56,7 @@ from typing import Any
 
 from agentic import long_context_tiny
 from host_step_time import machine
-from transfer_bandwidth import LIBRARIES
+from transfer_bandwidth import library_version
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.llm_engine import LLMEngine
@@ -261,10 +260,10 @@ def bench_pair(backend: str, layout: str, prompt_lens: list[int], repeats: dict[
     producer = consumer = None
     try:
         start = time.perf_counter()
-        producer = LLM(**common, **producer_sizes, **(mp if producer_sizes else {}),
+        producer = LLM(**{**common, **producer_sizes, **(mp if producer_sizes else {})},
                        kv_transfer_config={"kv_connector": connector, "kv_role": "kv_producer",
                                            "staging_chunk_pages": STAGING_CHUNK_PAGES.get(layout, 0)})
-        consumer = LLM(**common, **consumer_sizes, **(mp if consumer_sizes else {}),
+        consumer = LLM(**{**common, **consumer_sizes, **(mp if consumer_sizes else {})},
                        kv_transfer_config={"kv_connector": connector, "kv_role": "kv_consumer",
                                            "kv_load_failure_policy": "fail"})
         startup_s = time.perf_counter() - start
@@ -407,6 +406,12 @@ def main() -> None:
     parser.add_argument("--prefill-budget", type=int, default=4096,
                         help="max_num_batched_tokens (the CPU's MLA prefill materialises chunk x context scores)")
     parser.add_argument("--cache-memory", default="256MiB")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the caches registered as VRAM (NIXL)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--preset", default="tiny", help="the random preset, its context limit raised")
+    parser.add_argument("--ranks-in-processes", action="store_true",
+                        help="every engine's ranks as processes (the mp executor), also at TP1: on one GPU, a "
+                             "producer and a consumer process as two servers would run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default=None, help="free text written to the result (e.g. what else ran)")
     parser.add_argument("--out", default=None, help="default: results/pd_kv_wait_<date>_cpu.json")
@@ -422,9 +427,12 @@ def main() -> None:
         raise SystemExit(f"--repeats {args.repeats}: give one count or one per prompt length ({len(prompt_lens)})")
     repeats = dict(zip(prompt_lens, counts * len(prompt_lens) if len(counts) == 1 else counts, strict=True))
     max_len = max(prompt_lens) + 64  # room for the decode leg's tokens
-    common = {"model": long_context_tiny(max_len), "max_model_len": max_len, "enable_prefix_caching": False,
-              "cache_memory": args.cache_memory, "max_num_seqs": 4, "max_num_batched_tokens": args.prefill_budget,
-              "seed": args.seed}
+    common = {"model": long_context_tiny(max_len, args.preset), "max_model_len": max_len,
+              "enable_prefix_caching": False, "cache_memory": args.cache_memory, "max_num_seqs": 4,
+              "max_num_batched_tokens": args.prefill_budget, "seed": args.seed, "device": args.device,
+              "dtype": args.dtype}
+    if args.ranks_in_processes:
+        common["distributed_executor_backend"] = "mp"
     rng = random.Random(args.seed)
     load_at_start = [round(x, 2) for x in os.getloadavg()]  # 1, 5, 15 min: a shared host shows here
     pairs, rows, skipped = {}, [], []
@@ -444,19 +452,20 @@ def main() -> None:
     result = {
         "benchmark": "pd_kv_wait", "date": date, "machine": machine(None), "note": args.note,
         "load_average_at_start": load_at_start, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-        "versions": {backend: importlib.metadata.version(LIBRARIES[backend]) for backend in backends},
+        "versions": {backend: library_version(backend) for backend in backends},
         "setup": ("producer and consumer engines in one process (their ranks as processes under the mp executor), "
                   "KV read over loopback; nixl: UCX, mooncake: TCP. kv_wait: consumer add_request -> the step that "
                   "returns the producer's first token (every rank's load finished); first_decode: -> the step that "
                   "returns the consumer's first sampled token; medians over repeats"),
-        "model": {"name": "tiny preset, context limit raised (agentic.long_context_tiny)", "path": common["model"]},
+        "model": {"name": f"{args.preset} preset, context limit raised (agentic.long_context_tiny)",
+                  "path": common["model"]},
         "engine_options": {k: v for k, v in common.items() if k != "model"},
         "repeats": {str(n): c for n, c in repeats.items()},
         "repeats_note": ("fewer repeats at the longer prompts: one 65536-token prefill takes minutes on this CPU "
                          "(naive MLA attention)") if len(set(repeats.values())) > 1 else None,
         "skipped": skipped, "pairs": pairs, "rows": rows,
     }
-    out = args.out or os.path.join(HERE, "results", f"pd_kv_wait_{date}_cpu.json")
+    out = args.out or os.path.join(HERE, "results", f"pd_kv_wait_{date}_{args.device}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

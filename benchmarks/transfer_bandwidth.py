@@ -29,7 +29,18 @@ from deltaserve.kv_transfer.loopback_peer import LoopbackPeer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DESCRIPTOR_SHAPES = {"one": None, "4KiB": 4096}
-LIBRARIES = {"nixl": "nixl-cu12", "mooncake": "mooncake-transfer-engine-non-cuda"}
+LIBRARIES = {"nixl": ("nixl-cu12", "nixl-cu13"), "mooncake": ("mooncake-transfer-engine-non-cuda",
+                                                               "mooncake-transfer-engine")}
+
+
+def library_version(backend: str) -> str:
+    """The installed distribution and version of `backend`'s library (the first of its wheels found)."""
+    for name in LIBRARIES[backend]:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def read_ops(local_addr: int, remote_addr: int, nbytes: int, descriptor_bytes: int | None) -> list[TransferOp]:
@@ -87,7 +98,7 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     result = {
         "benchmark": "transfer_bandwidth", "date": date, "machine": machine(None),
-        "versions": {backend: importlib.metadata.version(LIBRARIES[backend]) for backend in backends},
+        "versions": {backend: library_version(backend) for backend in backends},
         "setup": "two processes on loopback, READ pulled by this process; nixl: UCX, mooncake: TCP",
         "repeats": args.repeats, "rows": rows,
     }

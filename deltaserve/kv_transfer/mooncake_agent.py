@@ -65,8 +65,13 @@ class MooncakeAgent(TransferAgent):
         self._peers: dict[str, threading.Lock] = {}
         self._executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix=f"mooncake-{name}")
 
-    def register(self, regions: list[MemoryRegion]) -> None:
-        """Registers host regions with the engine (one batched call)."""
+    def register(self, regions: list[MemoryRegion], device: int | None = None) -> None:
+        """Registers host regions with the engine (one batched call). Device memory is refused: the
+        TCP transport of this build copies with the CPU."""
+        if device is not None:
+            raise ValueError("kv_transfer_config: MooncakeConnector here runs Mooncake's TCP transport over host "
+                             "memory and cannot reach CUDA memory; use NixlConnector (UCX) for caches on a GPU, or "
+                             "run the P/D pair with --device cpu")
         addresses = [address for address, _ in regions]
         rc = self._engine.batch_register_memory(addresses, [nbytes for _, nbytes in regions])
         if rc != 0:
@@ -79,7 +84,7 @@ class MooncakeAgent(TransferAgent):
 
     def add_peer(self, peer_metadata: bytes) -> str:
         """Returns the peer's `host:rpc_port`; the engine opens the connection on the first transfer."""
-        _, payload = decode_metadata(self.backend, peer_metadata)
+        _, payload, _ = decode_metadata(self.backend, peer_metadata)
         peer = payload.decode()
         self._peers.setdefault(peer, threading.Lock())
         return peer

@@ -1,8 +1,10 @@
-"""The NIXL backend: a `nixl_agent` with the UCX backend over registered DRAM.
+"""The NIXL backend: a `nixl_agent` with the UCX backend over registered DRAM or CUDA memory (VRAM).
 
 A transfer is one NIXL request over two descriptor lists built from (N, 3) arrays (address, length,
-device 0) by `get_xfer_descs`: `initialize_xfer` + `transfer`, then `check_xfer_state` until "DONE";
-the request handle is released when it completes, fails or is abandoned.
+device id) by `get_xfer_descs`, each side in the memory type its agent registered (the peer's comes
+with its metadata): `initialize_xfer` + `transfer`, then `check_xfer_state` until "DONE"; the request
+handle is released when it completes, fails or is abandoned. The library is the wheel of the CUDA
+major version installed (`nixl_cu12` or `nixl_cu13`); both run on CPU-only machines over DRAM.
 
 Progress: NIXL's own progress thread polls UCX with no pause here (nixl 1.5.1 hard-codes a delay of
 0, which spins a whole core even when idle), so the agent runs without it and a daemon thread of
@@ -17,7 +19,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+try:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+except ImportError:  # the CUDA 13 wheel
+    from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from deltaserve.kv_transfer.transfer_engine import (
     MemoryRegion,
@@ -49,7 +55,8 @@ class NixlAgent(TransferAgent):
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
         self._registrations: list[object] = []
-        self._peers: set[str] = set()
+        self._device: int | None = None  # the CUDA device of the registered memory; None: DRAM
+        self._peers: dict[str, int | None] = {}  # peer name -> the CUDA device of its memory (None: DRAM)
         self._open_handles: list[TransferHandle] = []
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._drive_progress, name=f"nixl-progress-{name}", daemon=True)
@@ -60,21 +67,26 @@ class NixlAgent(TransferAgent):
             # notifications are not part of the interface; reading them is what progresses UCX
             self._agent.get_new_notifs()
 
-    def register(self, regions: list[MemoryRegion]) -> None:
-        """Registers DRAM regions with UCX; call before `metadata()`."""
-        descs = [(address, nbytes, 0, "") for address, nbytes in regions]
-        self._registrations.append(self._agent.register_memory(descs, "DRAM"))
+    def register(self, regions: list[MemoryRegion], device: int | None = None) -> None:
+        """Registers DRAM regions (or, with `device`, that CUDA device's memory) with UCX; call
+        before `metadata()`. One agent registers one kind of memory."""
+        if self._registrations and device != self._device:
+            raise ValueError(f"NIXL agent {self.name!r} registered memory of device {self._device}; one agent "
+                             f"registers one kind of memory, not also device {device}")
+        descs = [(address, nbytes, device or 0, "") for address, nbytes in regions]
+        self._registrations.append(self._agent.register_memory(descs, "DRAM" if device is None else "VRAM"))
+        self._device = device
 
     def metadata(self) -> bytes:
         """The agent's NIXL metadata (UCX worker address and the rkeys of what is registered)."""
-        return encode_metadata(self.backend, self.name, self._agent.get_agent_metadata())
+        return encode_metadata(self.backend, self.name, self._agent.get_agent_metadata(), self._device)
 
     def add_peer(self, peer_metadata: bytes) -> str:
         """Loads the peer's NIXL metadata; the peer name is its agent name."""
-        _, payload = decode_metadata(self.backend, peer_metadata)
+        _, payload, device = decode_metadata(self.backend, peer_metadata)
         peer = self._agent.add_remote_agent(payload)
         peer = peer.decode() if isinstance(peer, bytes) else peer
-        self._peers.add(peer)
+        self._peers[peer] = device
         return peer
 
     def _knows(self, peer: str) -> bool:
@@ -83,9 +95,12 @@ class NixlAgent(TransferAgent):
     def _submit(self, handle: TransferHandle, ops: list[TransferOp]) -> None:
         """One NIXL request over all ops."""
         table = np.asarray(ops, dtype=np.uint64)  # [N, 3]: local_addr, remote_addr, nbytes
-        zeros = np.zeros(len(ops), dtype=np.uint64)
-        local = self._agent.get_xfer_descs(np.stack([table[:, 0], table[:, 2], zeros], axis=1), "DRAM")
-        remote = self._agent.get_xfer_descs(np.stack([table[:, 1], table[:, 2], zeros], axis=1), "DRAM")
+        sides = []
+        for column, device in ((0, self._device), (1, self._peers[handle.peer])):
+            ids = np.full(len(ops), device or 0, dtype=np.uint64)
+            sides.append(self._agent.get_xfer_descs(np.stack([table[:, column], table[:, 2], ids], axis=1),
+                                                    "DRAM" if device is None else "VRAM"))
+        local, remote = sides
         try:
             handle.backend_handle = self._agent.initialize_xfer(handle.opcode, local, remote, handle.peer)
             state = self._agent.transfer(handle.backend_handle)

@@ -14,10 +14,16 @@ A `StagingServer` (a ZeroMQ thread on the rank) answers the consumer ranks direc
 - `unstage`: the consumer has read the slot; it is free again.
 A slot not unstaged within the timeout (the consumer died) is taken back. The gather reads blocks the
 producer's scheduler holds for the transfer, which no step writes, so it needs no lock with the steps.
+
+On CUDA each slot has its own gather stream (`stream_priority`, -1 by default, so a gather is not
+queued behind the steps' kernels), each warmed at startup by a gather of one row (a cold stream stalled
+a reference deployment's first pushes for 20-100 s); `stage` answers once its stream has finished, so
+the consumer's read finds the slot filled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -48,8 +54,10 @@ class StagingPool:
     """A producer rank's staging slots: per MLA layer id a tensor [slots, chunk_pages * block_size,
     latent_dim], and which slots are held (with the time each is taken back)."""
 
-    def __init__(self, caches: dict[int, torch.Tensor], chunk_pages: int, slots: int, block_size: int) -> None:
-        """caches: per MLA layer id its paged latents [num_blocks, block_size, latent_dim]."""
+    def __init__(self, caches: dict[int, torch.Tensor], chunk_pages: int, slots: int, block_size: int,
+                 stream_priority: int = -1) -> None:
+        """caches: per MLA layer id its paged latents [num_blocks, block_size, latent_dim]; on CUDA
+        each slot gets a gather stream of `stream_priority`, warmed here."""
         self.block_size = block_size
         self.capacity = chunk_pages * block_size  # tokens one slot holds, per layer
         self.chunk_pages = chunk_pages
@@ -59,6 +67,15 @@ class StagingPool:
         self._free = list(range(slots))
         self._held: dict[int, float] = {}  # slot -> deadline
         self.num_slots = slots
+        device = next(iter(caches.values())).device if caches else torch.device("cpu")
+        self.streams: list[torch.cuda.Stream] | None = None
+        if device.type == "cuda":
+            self.streams = [torch.cuda.Stream(device, priority=stream_priority) for _ in range(slots)]
+            for slot, stream in enumerate(self.streams):  # warm each stream: a first gather of one row
+                with torch.cuda.stream(stream):
+                    for layer, cache in caches.items():
+                        self.slots[layer][slot, :1] = cache.view(-1, cache.shape[-1])[:1]
+                stream.synchronize()
 
     def rows(self) -> dict[int, TensorRows]:
         return {layer: TensorRows.of(t) for layer, t in self.slots.items()}
@@ -85,9 +102,13 @@ class StagingPool:
         blocks = torch.tensor(block_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        for layer, cache in self.caches.items():
-            flat = cache.view(-1, cache.shape[-1])
-            self.slots[layer][slot, :count] = flat.index_select(0, rows.to(flat.device))
+        stream = self.streams[slot] if self.streams is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for layer, cache in self.caches.items():
+                flat = cache.view(-1, cache.shape[-1])
+                self.slots[layer][slot, :count] = flat.index_select(0, rows.to(flat.device, non_blocking=True))
+        if stream is not None:
+            stream.synchronize()  # the consumer reads the slot as soon as it has the answer
         return slot
 
     def unstage(self, slot: int) -> None:

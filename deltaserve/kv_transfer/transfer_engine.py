@@ -1,6 +1,7 @@
 """The transfer-engine interface that P/D disaggregation moves KV and KDA state through.
 
-One `TransferAgent` per process: it registers host (DRAM) memory regions, hands out `metadata()` that
+One `TransferAgent` per process: it registers memory regions (host DRAM, or with `device` the memory
+of one CUDA device, where the backend reaches it), hands out `metadata()` that
 a peer passes to `add_peer`, and runs batched one-sided reads and writes between its registered
 memory and a peer's. A transfer is a list of ops `(local_addr, remote_addr, nbytes)`: a request's
 paged MLA latent KV is one op per block per layer, so every backend takes many ops in one call.
@@ -58,8 +59,10 @@ class TransferAgent(ABC):
     name: str
 
     @abstractmethod
-    def register(self, regions: list[MemoryRegion]) -> None:
-        """Registers host memory regions `(address, nbytes)` as sources and targets of transfers."""
+    def register(self, regions: list[MemoryRegion], device: int | None = None) -> None:
+        """Registers memory regions `(address, nbytes)` as sources and targets of transfers: host
+        memory, or with `device` memory of that CUDA device. ValueError when the backend cannot
+        reach device memory (naming what can)."""
 
     @abstractmethod
     def metadata(self) -> bytes:
@@ -140,21 +143,24 @@ def check_ops(backend: str, peer: str, ops: list[TransferOp]) -> int:
     return total
 
 
-def encode_metadata(backend: str, name: str, payload: bytes) -> bytes:
-    """Wraps a backend's connection payload with its backend and agent name (JSON, never pickle)."""
-    return json.dumps({"backend": backend, "name": name, "payload": base64.b64encode(payload).decode()}).encode()
+def encode_metadata(backend: str, name: str, payload: bytes, device: int | None = None) -> bytes:
+    """Wraps a backend's connection payload with its backend, agent name and the CUDA device its
+    registered memory lives on (None: host memory), as JSON, never pickle."""
+    return json.dumps({"backend": backend, "name": name, "payload": base64.b64encode(payload).decode(),
+                       "device": device}).encode()
 
 
-def decode_metadata(backend: str, metadata: bytes) -> tuple[str, bytes]:
-    """Inverse of `encode_metadata`: (agent name, payload); ValueError if made by another backend."""
+def decode_metadata(backend: str, metadata: bytes) -> tuple[str, bytes, int | None]:
+    """Inverse of `encode_metadata`: (agent name, payload, device); ValueError if made by another backend."""
     try:
         fields = json.loads(metadata)
         peer_backend, name, payload = fields["backend"], fields["name"], base64.b64decode(fields["payload"])
+        device = fields.get("device")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"peer metadata is not a deltaserve transfer agent's metadata(): {e}") from e
     if peer_backend != backend:
         raise ValueError(f"peer metadata is from backend {peer_backend!r}; this agent is {backend!r}: use one backend")
-    return name, payload
+    return name, payload, None if device is None else int(device)
 
 
 @dataclass(frozen=True)
@@ -163,18 +169,19 @@ class BackendSpec:
 
     module: str  # the deltaserve module holding the agent class
     agent_class: str
-    library: str  # the module of the third-party library it imports
+    libraries: tuple[str, ...]  # the third-party modules it can import (any one will do)
     install: str
 
 
 BACKENDS: dict[str, BackendSpec] = {
     "nixl": BackendSpec(
-        "deltaserve.kv_transfer.nixl_agent", "NixlAgent", "nixl_cu12._api", "pip install --no-deps nixl-cu12==1.5.1"
+        "deltaserve.kv_transfer.nixl_agent", "NixlAgent", ("nixl_cu12._api", "nixl_cu13._api"),
+        "pip install --no-deps nixl-cu12==1.5.1 (or nixl-cu13 beside a CUDA 13 torch)"
     ),
     "mooncake": BackendSpec(
         "deltaserve.kv_transfer.mooncake_agent",
         "MooncakeAgent",
-        "mooncake.engine",
+        ("mooncake.engine",),
         'pip install -e ".[pd]" (mooncake-transfer-engine-non-cuda; its engine.so also needs libibverbs1 from apt)',
     ),
 }
@@ -182,11 +189,15 @@ BACKENDS: dict[str, BackendSpec] = {
 
 def _import_library(backend: str) -> None:
     spec = BACKENDS[backend]
-    try:
-        importlib.import_module(spec.library)
-    except (ImportError, OSError) as e:  # OSError: a shared library the wheel links against is missing
-        raise ImportError(f"transfer backend {backend!r} needs `{spec.library}`, which failed to import ({e}); "
-                          f"install it with: {spec.install}") from e
+    errors = []
+    for library in spec.libraries:
+        try:
+            importlib.import_module(library)
+            return
+        except (ImportError, OSError) as e:  # OSError: a shared library the wheel links against is missing
+            errors.append(f"{library}: {e}")
+    raise ImportError(f"transfer backend {backend!r} needs one of {', '.join(spec.libraries)}, which failed to "
+                      f"import ({'; '.join(errors)}); install it with: {spec.install}")
 
 
 def available_backends() -> list[str]:
