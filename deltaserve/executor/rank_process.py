@@ -6,8 +6,10 @@ At start it binds its CPUs (`numa_bind`, by the same node-local index that chose
 world (`init_distributed`), loads its stage and shard, reports `RankReady`, then runs what the engine
 sends, in order: the cache plan once, then every step. Every rank runs every step (so every
 collective and every stage-to-stage send is matched); only the output rank (the last stage's TP rank
-0) sends the step's `ModelRunnerOutput` back. An exception is sent back as text before the process
-exits.
+0) sends the step's `ModelRunnerOutput` back. A step is launched without waiting for the device: its
+messages go out through the rank's outbox (`executor/rank_outbox.py`) once its output reaches the
+host, while the rank already prepares the next step. An exception is sent back as text before the
+process exits.
 
 Messages travel over ZeroMQ (`executor/transport.py`): the engine's are pickled once and published
 to every rank; a reader thread drains them into a queue, so the engine never blocks on a rank that is
@@ -16,13 +18,15 @@ Engine -> rank: ("sync", n), ("init_cache", plan, stage state specs), ("step", S
 ("shutdown",). Rank -> engine, each tagged with the rank: ("synced", n), ("ready", RankReady),
 ("cache_ready", (JointCheckpointSpec | None, RankLayout | None)), ("output", step_id,
 ModelRunnerOutput, busy_s, steps) from the output rank, ("busy", busy_s, steps) after each step from
-TP rank 0 of every other stage (busy_s: seconds spent inside `worker.execute_model`, steps: steps
-run, both since start), ("kv", KVConnectorOutput) from any other rank whose P/D loads finished or
-failed in a step, and ("error", traceback text).
+TP rank 0 of every other stage (busy_s: seconds the rank had a step in flight, from launching it to
+its output on the host, overlapping steps counted once; steps: steps run; both since start), ("kv",
+KVConnectorOutput) from any other rank whose P/D loads finished or failed in a step, and ("error",
+traceback text).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -41,9 +45,12 @@ from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.core.cache_sizing import CachePlan
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.core.stage_specs import JointCheckpointSpec, joint_checkpoint_spec
+from deltaserve.executor.rank_outbox import RankOutbox
 from deltaserve.executor.transport import EndpointPlan, RankChannels
+from deltaserve.worker.runner_output import AsyncModelRunnerOutput
 
 SHUTDOWN = ("shutdown",)
+OUTPUT_FAILED = "output_failed"  # put in the inbox by the outbox's thread: a step's output raised
 ORPHAN_GRACE_S = 30.0  # after its launcher is gone, how long a rank may take to leave cleanly
 INBOX_POLL_MS = 500  # how often the inbox thread checks that its launcher is still there
 
@@ -144,6 +151,7 @@ def rank_main(launch: RankLaunch) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channels = RankChannels(launch.endpoints, launch.rank)
     inbox: queue.Queue = queue.Queue()
+    outbox = RankOutbox(channels, on_failure=lambda text: inbox.put((OUTPUT_FAILED, text)))
     threading.Thread(target=_read_inbox, args=(channels, inbox, launch.parent_pid), name="rank-inbox",
                      daemon=True).start()
     try:
@@ -173,42 +181,70 @@ def rank_main(launch: RankLaunch) -> None:
                           worker.available_cache_bytes(), str(worker.device),
                           str(worker.dtype).removeprefix("torch."), launch.node_rank, socket.gethostname(),
                           launch.local_index, affinity)
-        channels.send("ready", ready)
+        outbox.send("ready", ready)
         is_output_rank = parallel.is_last_stage and parallel.tensor_parallel_rank == 0
-        _serve(worker, ready, inbox, channels, is_output_rank)
+        _serve(worker, ready, inbox, outbox, is_output_rank)
     except BaseException:
         try:
-            channels.send("error", traceback.format_exc())
+            outbox.send_error(traceback.format_exc())
         except zmq.ZMQError:
             pass
         raise SystemExit(1) from None
     finally:
+        outbox.close()
         destroy_distributed()
         channels.close()
 
 
-def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, channels: RankChannels, is_output_rank: bool) -> None:
-    """The rank's loop: run every message from the engine in order until told to shut down."""
-    busy_s, steps = 0.0, 0  # inside worker.execute_model, and how many, since start
+class _BusyClock:
+    """A rank's busy time: the union of its steps' [launch, output on the host] intervals (steps end
+    in launch order), and how many steps ended. Advanced by whichever thread sends a step's output,
+    one at a time."""
+
+    def __init__(self) -> None:
+        self.busy_s, self.steps, self._last_end = 0.0, 0, 0.0
+
+    def end_step(self, launched: float) -> tuple[float, int]:
+        """A step launched at `launched` (perf_counter seconds) has its output now: the totals after it."""
+        now = time.perf_counter()
+        self.busy_s += now - max(launched, self._last_end)
+        self.steps, self._last_end = self.steps + 1, now
+        return self.busy_s, self.steps
+
+
+def _step_messages(handle: AsyncModelRunnerOutput, step_id: int, launched: float, clock: _BusyClock,
+                   is_output_rank: bool, reports_busy: bool) -> list[tuple[Any, ...]]:
+    """What a rank sends for one step, once its output is on the host (waits for it)."""
+    output = handle.get_output()
+    busy_s, steps = clock.end_step(launched)
+    if is_output_rank:  # its counters ride on the output: nothing else to wait for
+        return [("output", step_id, output, busy_s, steps)]
+    messages: list[tuple[Any, ...]] = []
+    transfers = output.kv_connector_output  # P/D: this rank's share of the loads
+    if transfers is not None and (transfers.finished_recving or transfers.failed_recving
+                                  or transfers.num_ops or transfers.num_staged_chunks):
+        messages.append(("kv", transfers))
+    if reports_busy:
+        messages.append(("busy", busy_s, steps))
+    return messages
+
+
+def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, outbox: RankOutbox, is_output_rank: bool) -> None:
+    """The rank's loop: run every message from the engine in order until told to shut down. A step
+    is launched and left to the outbox, which sends its messages once its output is on the host."""
+    clock = _BusyClock()
     while (message := inbox.get())[0] != "shutdown":
         kind = message[0]
         if kind == "step":
             scheduler_output = message[1]
-            started = time.perf_counter()
-            output = worker.execute_model(scheduler_output)
-            busy_s += time.perf_counter() - started
-            steps += 1
-            if is_output_rank:  # its counters ride on the output: nothing else to wait for
-                channels.send("output", scheduler_output.step_id, output, busy_s, steps)
-            else:
-                transfers = output.kv_connector_output  # P/D: this rank's share of the loads
-                if transfers is not None and (transfers.finished_recving or transfers.failed_recving
-                                              or transfers.num_ops or transfers.num_staged_chunks):
-                    channels.send("kv", transfers)
-                if ready.tp_rank == 0:
-                    channels.send("busy", busy_s, steps)
+            launched = time.perf_counter()
+            handle = worker.execute_model(scheduler_output, non_block=True)
+            if not isinstance(handle, AsyncModelRunnerOutput):
+                handle = AsyncModelRunnerOutput.ready(handle)
+            outbox.put(functools.partial(_step_messages, handle, scheduler_output.step_id, launched, clock,
+                                         is_output_rank, ready.tp_rank == 0), ready=handle.is_ready)
         elif kind == "sync":
-            channels.send("synced", message[1])
+            outbox.send("synced", message[1])
         elif kind == "init_cache":
             plan: CachePlan = message[1]
             stage_specs: list[KDAStateSpec] = message[2]
@@ -216,6 +252,8 @@ def _serve(worker: Any, ready: RankReady, inbox: queue.Queue, channels: RankChan
             joint = None
             if plan.num_checkpoint_units:
                 joint = _check_checkpoint_spec(ready, stage_specs, plan.checkpoint_unit_bytes)
-            channels.send("cache_ready", (joint, worker.kv_layout()))
+            outbox.send("cache_ready", (joint, worker.kv_layout()))
+        elif kind == OUTPUT_FAILED:
+            raise RuntimeError(f"rank {ready.rank}: a step's output failed on its way to the host:\n{message[1]}")
         else:
             raise ValueError(f"rank {ready.rank}: unknown message {kind!r} from the engine")

@@ -58,6 +58,11 @@ class AsyncModelRunnerOutput:
         handle._output = output
         return handle
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether `get_output()` returns without waiting."""
+        return self._output is not None
+
     def get_output(self) -> ModelRunnerOutput:
         if self._output is None:
             self._output = self._resolve()

@@ -206,6 +206,8 @@ class Worker:
         transfers = connector.poll()  # after the forward: the loads ran beside it
         if isinstance(output, ModelRunnerOutput):
             return dataclasses.replace(output, kv_connector_output=transfers)
+        if output.is_ready:  # the CPU's: a handle that waits for nothing stays one
+            return AsyncModelRunnerOutput.ready(dataclasses.replace(output.get_output(), kv_connector_output=transfers))
         return AsyncModelRunnerOutput(lambda: dataclasses.replace(output.get_output(), kv_connector_output=transfers))
 
     def kv_layout(self) -> Any:
