@@ -184,7 +184,11 @@ def state_ops(pairing: Pairing, local_slot: int, remote_slot: int) -> dict[RankK
             length = head_bytes * local.kda_heads
             for s in range(sections):
                 src = there.row(remote_slot) + (s * pairing.producer_heads + pairing.head_offset) * head_bytes
-                ops[key].append((here.row(local_slot) + s * length, src, length))
+                dst, last = here.row(local_slot) + s * length, ops[key][-1] if s else None
+                if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src:
+                    ops[key][-1] = (last[0], last[1], last[2] + length)  # the whole segment: q, k, v in one
+                else:
+                    ops[key].append((dst, src, length))
     return ops
 
 

@@ -17,7 +17,7 @@ import torch
 
 from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.kv_transfer.layout import RankLayout, TensorRows
-from deltaserve.kv_transfer.pairing import latent_runs, pair_ranks, request_ops
+from deltaserve.kv_transfer.pairing import latent_ops, latent_runs, pair_ranks, request_ops, state_ops
 
 HEADS, HEAD_DIM, WINDOW, LATENT = 4, 3, 3, 5
 LAYERS = {0: "kda", 1: "mla", 2: "kda", 3: "mla"}
@@ -99,6 +99,31 @@ def test_runs_merge_into_pages_without_dcp_and_one_per_token_at_interleave_1():
     assert latent_runs(6, striped, 4) == [(1, 0, 1), (3, 1, 1), (5, 2, 1)]
     wide = Rank(1, 2, 0, [1], 4, 8, dcp=2, dcp_rank=0, interleave=2).layout
     assert latent_runs(9, wide, 4) == [(0, 0, 2), (4, 2, 2), (8, 4, 1)]
+
+
+@pytest.mark.parametrize("dtp,per_layer", [(1, 2), (2, 4)])
+def test_state_ops_merge_q_k_v_when_the_consumer_takes_the_whole_segment(dtp, per_layer):
+    """One op for the conv window and one for the recurrent rows per KDA layer at equal TP (as the
+    topology check counts them); under a head split, one per q, k and v block plus the state."""
+    remotes = [r.layout for r in producer(1, 1, 4)]
+    local = Rank(1, dtp, 0, list(LAYERS), 4, 16).layout
+    ops = state_ops(pair_ranks(local, remotes), 1, 2)
+    kda_layers = sum(kind == "kda" for kind in LAYERS.values())
+    assert sum(len(o) for o in ops.values()) == kda_layers * per_layer
+
+
+def test_latent_ops_of_token_ranges_add_up_to_the_whole():
+    """Chunked transfer reads [0, a), [a, b), [b, n): the same bytes land as one read of [0, n)."""
+    num_tokens, remote_blocks, local_blocks = 27, [7, 2, 5, 0, 3, 6, 1], [9, 4, 11, 1, 14, 3, 8]
+    remotes = producer(1, 1, 4)
+    whole, parts = Rank(1, 1, 0, list(LAYERS), 4, 16), Rank(1, 1, 0, list(LAYERS), 4, 16)
+    for rank, cuts in ((whole, [0, num_tokens]), (parts, [0, 5, 13, num_tokens])):
+        pairing = pair_ranks(rank.layout, [r.layout for r in remotes])
+        for start, end in zip(cuts[:-1], cuts[1:], strict=True):
+            for rank_ops in latent_ops(pairing, local_blocks, remote_blocks, 4, start, end).values():
+                apply(rank_ops)
+    for layer, cache in whole.mla.items():
+        assert cache.any() and torch.equal(cache, parts.mla[layer])
 
 
 def test_pairing_refusals_name_both_sides():
