@@ -214,6 +214,20 @@ def test_a_prefill_stream_ending_in_an_error_is_a_502(fakes, proxy):
     assert not _served(fakes, "d0", "d1")
 
 
+def test_a_client_leaving_before_its_body_arrived_is_counted_quietly(fakes, proxy):
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:  # half a body, then gone
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    series = "deltaserve_proxy_requests_total{endpoint=completions,outcome=cancelled}"
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        deadline = time.monotonic() + 10
+        while scrape(client).get(series, 0) < 1:
+            assert time.monotonic() < deadline, "the abandoned request was not counted"
+            time.sleep(0.02)
+    assert not _served(fakes, "p0", "p1", "d0", "d1")
+
+
 def test_round_robin_alternates(fakes, proxy):
     for _ in range(4):
         assert httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi"}).status_code == 200

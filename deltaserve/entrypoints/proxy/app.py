@@ -19,6 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from deltaserve import __version__
 from deltaserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -88,7 +89,11 @@ def build_proxy_app(options: ProxyOptions) -> FastAPI:
         return await call_next(request)
 
     async def relay(endpoint: str, request: Request) -> Response:
-        raw_body = await request.body()  # read before watching for a disconnect on the same channel
+        try:
+            raw_body = await request.body()  # read before watching for a disconnect on the same channel
+        except ClientDisconnect:  # the client left before its body arrived: nothing was sent anywhere
+            metrics.requests.labels(endpoint=endpoint, outcome="cancelled").inc()
+            return Response(status_code=499)
         return await _unless_client_leaves(request, lambda: state["relay"](endpoint, request, raw_body))
 
     @app.post("/v1/completions")
