@@ -257,6 +257,13 @@ class EngineCore:
         steps in flight."""
         return self._has_work_to_schedule() or bool(self._batch_queue)
 
+    def waiting_only_on_transfers(self) -> bool:
+        """P/D consumer: every unfinished request waits for its KV to arrive and no step is in flight
+        (a step then only polls the loads: the loop may pause between them)."""
+        s = self.scheduler
+        return bool(s.remote_waiting) and not s.running and not s.waiting and not s.has_pending_saves \
+            and not self._batch_queue
+
     def _has_work_to_schedule(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_saves
 

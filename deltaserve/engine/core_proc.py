@@ -52,6 +52,7 @@ from deltaserve.metrics.stats_logger import StatsLogger
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100
+_TRANSFER_POLL_MS = 1  # ms between the steps of an engine whose requests all wait for P/D loads
 
 
 def heartbeat_address(address: str) -> str:
@@ -185,7 +186,8 @@ class EngineCoreProc:
         self.heartbeat.start()
         while not self._stopping:
             busy = self.core.has_unfinished_requests()
-            self._drain(0 if busy else _IDLE_POLL_MS)
+            # waiting only for KV transfers: poll them every millisecond rather than spinning a core
+            self._drain((_TRANSFER_POLL_MS if self.core.waiting_only_on_transfers() else 0) if busy else _IDLE_POLL_MS)
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("engine core: the launcher is gone; exiting")
                 break
