@@ -15,3 +15,4 @@ for batch in ${BATCHES:-1 64}; do
   echo "== batch $batch rc=$?"
   tail -n 6 "$logs/executor_overhead_b$batch.log"
 done
+if [ -n "${UCX_PROBE:-}" ]; then cd .. && bash benchmarks/gpu_ucx_probe.sh; fi
