@@ -6,6 +6,9 @@ mooncake_tier.py -> tiered_store.py (write-through, promotion, integrity, degrad
 
 The rank side: rank_caches.py (a rank's caches, KV chunk and state image payloads) and fence.py (the
 producer fence) -> rank_store.py (RankOffloader: bounded saves on a saver thread, all-or-nothing loads).
+
+The engine core's side: tier_index.py (TierIndex: what the tier holds, LRU by the largest stage's
+bytes, joint hits on the chunk grid past what HBM holds).
 """
 
 from deltaserve.offload.disk_tier import DiskTier
@@ -19,6 +22,7 @@ from deltaserve.offload.rank_caches import (
     stored_object_bytes,
 )
 from deltaserve.offload.rank_store import OffloadStats, RankOffloader
+from deltaserve.offload.tier_index import TierHit, TierIndex
 from deltaserve.offload.tiered_store import TieredStore
 from deltaserve.offload.tiers import HostTier, Tier, TierError, TierStats
 
@@ -33,6 +37,8 @@ __all__ = [
     "RankOffloader",
     "Tier",
     "TierError",
+    "TierHit",
+    "TierIndex",
     "TierStats",
     "TieredStore",
     "decode",
