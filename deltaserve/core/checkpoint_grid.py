@@ -14,6 +14,8 @@ import math
 KERNEL_CHUNK_TOKENS = 64  # the chunk of fla's chunked KDA kernels
 
 
-def checkpoint_grid(block_size: int, kernel_chunk: int = KERNEL_CHUNK_TOKENS) -> int:
-    """Tokens between the places a checkpoint may sit (64 for every block size up to 64)."""
-    return math.lcm(block_size, kernel_chunk)
+def checkpoint_grid(block_size: int, kernel_chunk: int = KERNEL_CHUNK_TOKENS, coarser: int = 1) -> int:
+    """Tokens between the places a checkpoint may sit (64 for every block size up to 64); `coarser`
+    is a feature's own edge the grid must also land on (the offload tier's chunk: a state image off
+    that grid could never be stored beside the KV chunk that ends there)."""
+    return math.lcm(block_size, kernel_chunk, coarser)

@@ -56,13 +56,16 @@ class PrefixCache:
     """Composes the KV cache manager and the checkpoint pool into joint lookups and filing decisions."""
 
     def __init__(self, kv: KVCacheManager, checkpoints: CheckpointPool, checkpoint_interval: int,
-                 kernel_chunk: int = KERNEL_CHUNK_TOKENS) -> None:
-        """`kernel_chunk` is fla's chunk in the engine; only tests with tiny workloads make it smaller."""
-        self.grid = checkpoint_grid(kv.block_size, kernel_chunk)
+                 kernel_chunk: int = KERNEL_CHUNK_TOKENS, offload_chunk: int = 1) -> None:
+        """`kernel_chunk` is fla's chunk in the engine; only tests with tiny workloads make it smaller.
+        `offload_chunk`: with the offload tier on, its chunk in tokens; every anchor, rung and demand
+        checkpoint is then floored to a grid the chunk divides, so each can be stored in the tier."""
+        self.grid = checkpoint_grid(kv.block_size, kernel_chunk, offload_chunk)
         if checkpoint_interval % self.grid:
             raise ValueError(
                 f"state_checkpoint_interval={checkpoint_interval} must be a multiple of the checkpoint grid "
-                f"({self.grid} tokens: block_size={kv.block_size} and the kernel chunk of {kernel_chunk})"
+                f"({self.grid} tokens: block_size={kv.block_size}, the kernel chunk of {kernel_chunk}"
+                + (f" and the offload chunk of {offload_chunk}" if offload_chunk > 1 else "") + ")"
             )
         self.kv = kv
         self.checkpoints = checkpoints

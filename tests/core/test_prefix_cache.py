@@ -172,6 +172,24 @@ def test_every_checkpoint_sits_on_the_one_grid():
     assert_all_free(s)
 
 
+def test_an_offload_chunk_coarsens_the_grid_every_checkpoint_sits_on():
+    """With the offload tier's chunk of 16 tokens (block 4, kernel chunk 8) every checkpoint sits on a
+    multiple of 16: the prompt-end anchor of a 45-token prompt floors to 32 (the grid of 8 alone puts
+    it at 40)."""
+    kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), 64, enable_prefix_caching=True)
+    pc = PrefixCache(kv, CheckpointPool(16, unit_bytes=64, image_bytes=64), 16, kernel_chunk=8, offload_chunk=16)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=1024), kv,
+                  StateSlotPool(16), pc)
+    assert pc.grid == 16
+    s.add_request(request("a", range(1, 46), max_tokens=3))  # prompt 45: grid points 16 and 32
+    drain(s)
+    boundaries = sorted(cp.num_tokens for cp in pc.checkpoints._lru.values())
+    assert all(b % 16 == 0 for b in boundaries) and 32 in boundaries and 40 not in boundaries
+    with pytest.raises(ValueError, match="and the offload chunk of 24"):
+        PrefixCache(kv, CheckpointPool(16, unit_bytes=64, image_bytes=64), 16, kernel_chunk=8, offload_chunk=24)
+    assert_all_free(s)
+
+
 def test_end_of_sequence_anchor_serves_the_next_turn():
     s = make()
     prompt = list(range(1, 11))
