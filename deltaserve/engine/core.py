@@ -234,12 +234,11 @@ class EngineCore:
             sampling_params=params,
             prompt_logprobs=params.prompt_logprobs is not None,
         )
-        early = None
         if self.kv_transfer is not None:  # a P/D consumer's request names where its prompt was prefilled
             request.remote_source = self.kv_transfer.scheduler.remote_source(params, request.num_prompt_tokens)
-            early = self.kv_transfer.scheduler.stream_started(request)
         self.scheduler.add_request(request)
         self._timings[req.request_id] = _Timing(req.arrival_time)
+        early = self.kv_transfer.scheduler.stream_started(request) if self.kv_transfer is not None else None
         if early is not None:  # chunked transfer: the consumer may start reading while the prefill runs
             self._early_outputs.append(EngineCoreOutput(req.request_id, [], kv_transfer_params=early))
 
