@@ -15,7 +15,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"
 if [ $# -eq 0 ]; then
   set -- tests/test_parity.py tests/distributed/test_multiproc_gpu.py tests/test_accuracy_gate.py \
-    tests/test_prompt_logprobs.py tests/worker/test_model_runner.py
+    tests/test_prompt_logprobs.py tests/worker/test_model_runner.py tests/kv_transfer/test_pd_gpu.py \
+    tests/offload/test_rank_store.py
 fi
 for test_file in "$@"; do
   log="$logs/$(basename "$test_file" .py).log"
