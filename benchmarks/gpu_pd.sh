@@ -5,12 +5,7 @@
 # one GPU, caches registered as VRAM. Logs and the result JSON go to $OUT.
 #   bash benchmarks/gpu_pd.sh [prompt lens, default 8192,65536] [repeats, default 3,2]
 set -uo pipefail
-shopt -s nullglob
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-logs=${OUT:-/tmp}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+. benchmarks/device_setup.sh
 python3 - <<'EOF'
 import torch, triton, transformers
 from deltaserve.kv_transfer import available_backends

@@ -4,14 +4,8 @@
 # its own time limit, printing each file's summary as it ends and keeping the full logs in $OUT
 # (a single pytest over every file ran past the device's per-call limit with nothing printed).
 set -uo pipefail
-shopt -s nullglob
-wheels=(.whl/*.whl .whl/srv/*.whl)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "${wheels[@]}" >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-logs=${OUT:-/tmp}
+. benchmarks/device_setup.sh
 per_file_limit=${PER_FILE_LIMIT:-150}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"
 if [ $# -eq 0 ]; then
   set -- tests/test_parity.py tests/distributed/test_multiproc_gpu.py tests/test_accuracy_gate.py \

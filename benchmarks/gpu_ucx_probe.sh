@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # Which UCX transports NIXL's VRAM reads take between two processes on one GPU, and the KV wait under
-# each UCX_TLS choice (issue 17: the first GPU run moved 0.38 GiB/s). Assumes the carried wheels are
-# installed in /tmp/site (gpu_pd.sh or gpu_executor_overhead.sh ran first in this call).
+# each UCX_TLS choice (issue 17: the first GPU run moved 0.38 GiB/s).
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-logs=${OUT:-/tmp}
+. benchmarks/device_setup.sh
 cd benchmarks
 for tls in default "cuda_ipc,cuda_copy,sm,self" ; do
   tag=${tls//,/_}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
 import random
@@ -35,6 +34,8 @@ from typing import Any
 
 from agentic import long_context_tiny
 from host_step_time import machine
+from pd_kv_wait import settle
+from transfer_bandwidth import library_version
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.llm_engine import LLMEngine
@@ -79,12 +80,7 @@ def run_one(producer: LLMEngine, consumer: LLMEngine, request_id: str, ids: list
         consumer.step()
         if producer.has_unfinished_requests():
             producer.step()
-    deadline = time.monotonic() + 30
-    while producer.core.scheduler.held_for_transfer or producer.core.kv_transfer.scheduler.streams:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the producer still holds a request 30 s after its consumer decoded")
-        time.sleep(0.005)
-        producer.core.poll_transfers()
+    settle(producer)
     assert prefilled_at is not None
     return {"prefill_s": prefilled_at - start, "tail_s": loaded_at - prefilled_at, "ttft_s": loaded_at - start,
             "overlapped_ops": overlapped_ops}
@@ -135,9 +131,7 @@ def main() -> None:
             finally:
                 producer.llm_engine.shutdown()
                 consumer.llm_engine.shutdown()
-    versions = {name: importlib.metadata.version(name) for name in ("torch", "nixl-cu12",
-                                                                     "mooncake-transfer-engine-non-cuda")
-                if _installed(name)}
+    versions = {backend: library_version(backend) for backend in CONNECTORS}  # torch: in machine()
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(HERE, "results", f"pd_chunked_overlap_{date}_cpu.json")
     with open(out, "w") as f:
@@ -149,13 +143,6 @@ def main() -> None:
               f"{r['tail_s_ms']:9.1f} {r['ttft_s_ms']:10.1f}")
     print(f"written: {out}")
 
-
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

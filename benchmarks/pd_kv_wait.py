@@ -227,10 +227,11 @@ def step_until_decoded(engine: LLMEngine, request_id: str) -> tuple[float, float
 
 
 def settle(producer: LLMEngine, timeout_s: float = 30.0) -> None:
-    """Waits for the consumer's releases to free the producer's held request."""
+    """Waits for the consumer's releases to free the producer's held request (and, under chunked
+    transfer, its stream entry)."""
     core = producer.core
     deadline = time.monotonic() + timeout_s
-    while core.scheduler.held_for_transfer:
+    while core.scheduler.held_for_transfer or core.kv_transfer.scheduler.streams:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the producer still holds {sorted(core.scheduler.held_for_transfer)} after "
                                f"{timeout_s} s: a consumer rank did not release it")

@@ -155,6 +155,14 @@ class EngineCoreProc:
             return self.metrics.exposition()
         return None
 
+    def _message_wait_ms(self) -> int:
+        """How long the loop waits for messages before its next turn: not at all while there is work,
+        a millisecond while every request only waits for its KV transfer (a step would only poll it),
+        and the idle interval otherwise."""
+        if not self.core.has_unfinished_requests():
+            return _IDLE_POLL_MS
+        return _TRANSFER_POLL_MS if self.core.waiting_only_on_transfers() else 0
+
     def _drain(self, timeout_ms: int) -> None:
         while self.socket.poll(timeout_ms):
             identity, payload = self.socket.recv_multipart()
@@ -185,9 +193,7 @@ class EngineCoreProc:
     def run(self, parent_pid: int | None = None) -> None:
         self.heartbeat.start()
         while not self._stopping:
-            busy = self.core.has_unfinished_requests()
-            # waiting only for KV transfers: poll them every millisecond rather than spinning a core
-            self._drain((_TRANSFER_POLL_MS if self.core.waiting_only_on_transfers() else 0) if busy else _IDLE_POLL_MS)
+            self._drain(self._message_wait_ms())
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("engine core: the launcher is gone; exiting")
                 break

@@ -173,48 +173,41 @@ class KVConnectorWorker:
         assert self.agent is not None and self.layout is not None
         source = spec.source
         producer = self._producer(source.host, source.port, source.engine_id)
-        if source.chunked:
-            if producer.pairing.local.dcp_size > 1:
-                raise PairingError(f"chunked transfer cannot reach a decode with decode_context_parallel_size="
-                                   f"{producer.pairing.local.dcp_size} (the producer {source.engine_id} runs it)")
-            load = _Load(spec, [], time.monotonic() + self.config.transfer_timeout_s)
-            self._loads[spec.request_id] = load
-            try:
-                self._advance_chunked(load, producer)
-            except BaseException:
-                del self._loads[spec.request_id]
-                raise
-            return
-        handles = []
-        pairing = producer.pairing
-        staged = frozenset(key for key in set(pairing.mla_source.values())
-                           if pairing.local.dcp_size > 1 and pairing.sources[key].staging_capacity)
-        ops = request_ops(pairing, spec.block_ids, source.block_ids, source.block_size, spec.state_slot,
-                          source.state_slot, source.num_tokens, staged)
-        for key, rank_ops in ops.items():
-            if rank_ops:
-                handles.append(self.agent.read(producer.peers[key], rank_ops))
-                self._num_ops += len(rank_ops)
-        staged_reads = []
-        if staged:
-            local = pairing.local
-            stripe = DCPLayout(local.dcp_size, local.dcp_rank, local.block_size, local.dcp_interleave)
-            length = int(stripe.local_seq_lens(torch.tensor([source.num_tokens]))[0])  # this rank's tokens
-            staged_reads = [_StagedReads(key, 0, length) for key in sorted(staged) if length]
-        load = _Load(spec, handles, time.monotonic() + self.config.transfer_timeout_s, staged_reads)
+        load = _Load(spec, [], time.monotonic() + self.config.transfer_timeout_s)
+        if not source.chunked:  # (a chunked load posts its reads as the producer's prefill goes: poll)
+            pairing = producer.pairing
+            staged = frozenset(key for key in set(pairing.mla_source.values())
+                               if pairing.local.dcp_size > 1 and pairing.sources[key].staging_capacity)
+            self._post_reads(load, producer, request_ops(pairing, spec.block_ids, source.block_ids, source.block_size,
+                                                         spec.state_slot, source.state_slot, source.num_tokens, staged))
+            if staged:
+                local = pairing.local
+                stripe = DCPLayout(local.dcp_size, local.dcp_rank, local.block_size, local.dcp_interleave)
+                length = int(stripe.local_seq_lens(torch.tensor([source.num_tokens]))[0])  # this rank's tokens
+                load.staged = [_StagedReads(key, 0, length) for key in sorted(staged) if length]
         self._loads[spec.request_id] = load
         try:
-            self._advance_staged(load, producer)
+            if source.chunked:
+                self._advance_chunked(load, producer)
+            else:
+                self._advance_staged(load, producer)
         except BaseException:
             self._unstage_all(load)
             del self._loads[spec.request_id]
             raise
 
+    def _post_reads(self, load: _Load, producer: _Producer, ops: dict[RankKey, list]) -> None:
+        """One READ per producer rank with ops, its handle kept on the load."""
+        assert self.agent is not None
+        for key, rank_ops in ops.items():
+            if rank_ops:
+                load.handles.append(self.agent.read(producer.peers[key], rank_ops))
+                self._num_ops += len(rank_ops)
+
     def _advance_chunked(self, load: _Load, producer: _Producer) -> bool:
         """Chunked transfer: posts the reads of what the producer computed since the last call; True
         once it finished and every read is posted (the last with the state). TransferError when the
         producer dropped the request, SideChannelError when it does not answer."""
-        assert self.agent is not None
         if load.final_params is not None:
             return True
         source, pairing = load.spec.source, producer.pairing
@@ -232,10 +225,7 @@ class KVConnectorWorker:
             if state is not None:
                 for key, rank_ops in state_ops(pairing, load.spec.state_slot, state).items():
                     ops[key] += rank_ops
-            for key, rank_ops in ops.items():
-                if rank_ops:
-                    load.handles.append(self.agent.read(producer.peers[key], rank_ops))
-                    self._num_ops += len(rank_ops)
+            self._post_reads(load, producer, ops)
             load.read_to = ready
             load.deadline = time.monotonic() + self.config.transfer_timeout_s  # it moves: wait on
         if state is None:
