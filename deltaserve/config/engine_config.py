@@ -85,6 +85,17 @@ class EngineConfig:
     # prefill/decode disaggregation (vLLM's --kv-transfer-config): a KVTransferConfig, its JSON text or a
     # dict, e.g. {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}; None: no KV connector
     kv_transfer_config: Any = None
+    # the offload tier (deltaserve/offload) behind the prefix cache: KV chunks and KDA state images in
+    # host memory (kv_offloading_size, summed over the ranks, as vLLM's), on disk (a directory and its
+    # size, summed over the ranks) and in a Mooncake Store (mooncake://MASTER:PORT); any of them turns
+    # it on. Chunks of kv_offloading_chunk_size tokens; at most kv_offloading_max_pending_saves saves in
+    # flight (None: twice the pipeline stage count)
+    kv_offloading_size: int | str | None = None
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: int | str | None = None
+    kv_offloading_remote: str | None = None
+    kv_offloading_chunk_size: int = 256
+    kv_offloading_max_pending_saves: int | None = None
     parallel: ParallelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -106,15 +117,18 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         self._check_dcp_options()
-        grid = checkpoint_grid(self.scheduler_block_size)
+        self._check_offloading()
+        grid = self.checkpoint_grid
         if self.state_checkpoint_interval is not None and (
             self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % grid
         ):
             dcp = (f" x decode_context_parallel_size={self.decode_context_parallel_size}"
                    if self.decode_context_parallel_size > 1 else "")
+            offload = (f", kv_offloading_chunk_size={self.kv_offloading_chunk_size}" if self.offloading_enabled
+                       else "")
             raise ValueError(
                 f"state_checkpoint_interval={self.state_checkpoint_interval} must be a positive multiple of the "
-                f"checkpoint grid, {grid} tokens (block_size={self.block_size}{dcp} and fla's chunk of 64)"
+                f"checkpoint grid, {grid} tokens (block_size={self.block_size}{dcp}{offload} and fla's chunk of 64)"
             )
         if not 0.0 <= self.state_checkpoint_fraction <= 0.9:
             raise ValueError(f"state_checkpoint_fraction={self.state_checkpoint_fraction} must be in [0, 0.9]")
@@ -146,6 +160,47 @@ class EngineConfig:
             )
         if self.block_size % interleave:
             raise ValueError(f"dcp_kv_cache_interleave_size={interleave} must divide block_size={self.block_size}")
+
+    @property
+    def offloading_enabled(self) -> bool:
+        """Whether an offload tier is configured (host memory, disk or a Mooncake Store)."""
+        return bool(self.kv_offloading_size or self.kv_offloading_disk_path or self.kv_offloading_remote)
+
+    @property
+    def checkpoint_grid(self) -> int:
+        """Tokens between checkpoint places: the block (times DCP) and fla's chunk, and the offload
+        chunk when the tier is on (every anchor and rung must be storable beside its KV chunk)."""
+        return checkpoint_grid(self.scheduler_block_size,
+                               coarser=self.kv_offloading_chunk_size if self.offloading_enabled else 1)
+
+    @property
+    def offloading_max_pending_saves(self) -> int:
+        """kv_offloading_max_pending_saves as given, else twice the pipeline stage count."""
+        return self.kv_offloading_max_pending_saves or 2 * self.pipeline_parallel_size
+
+    def _check_offloading(self) -> None:
+        self.kv_offloading_size = parse_bytes(self.kv_offloading_size, "kv_offloading_size")
+        self.kv_offloading_disk_size = parse_bytes(self.kv_offloading_disk_size, "kv_offloading_disk_size")
+        chunk, bs = self.kv_offloading_chunk_size, self.scheduler_block_size
+        if not isinstance(chunk, int) or chunk < 1 or chunk % bs:
+            dcp = (f" x decode_context_parallel_size={self.decode_context_parallel_size}"
+                   if self.decode_context_parallel_size > 1 else "")
+            raise ValueError(f"kv_offloading_chunk_size={chunk!r} must be a positive multiple of the block, "
+                             f"{bs} tokens (block_size={self.block_size}{dcp})")
+        pending = self.kv_offloading_max_pending_saves
+        if pending is not None and (not isinstance(pending, int) or pending < 1):
+            raise ValueError(f"kv_offloading_max_pending_saves={pending!r} must be a positive integer (unset: "
+                             "twice the pipeline stage count)")
+        if (self.kv_offloading_disk_path is None) != (self.kv_offloading_disk_size is None):
+            raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together: the directory of "
+                             "the disk tier and the bytes it may take (summed over the ranks)")
+        if self.kv_offloading_remote is not None:
+            from deltaserve.offload.mooncake_tier import parse_master_address
+
+            parse_master_address(self.kv_offloading_remote)
+        if self.offloading_enabled and not self.enable_prefix_caching:
+            raise ValueError("the offload tier (kv_offloading_size / kv_offloading_disk_path / kv_offloading_remote) "
+                             "stores prefix-cache KV and state checkpoints: it needs enable_prefix_caching")
 
     @property
     def scheduler_block_size(self) -> int:

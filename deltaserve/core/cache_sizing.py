@@ -36,11 +36,12 @@ def default_unit_bytes(image_bytes: int) -> int:
     return -(-unit // UNIT_ALIGN) * UNIT_ALIGN
 
 
-def default_checkpoint_interval(kv_spec: MLALatentSpec, state_spec: KDAStateSpec) -> int:
+def default_checkpoint_interval(kv_spec: MLALatentSpec, state_spec: KDAStateSpec, grid: int | None = None) -> int:
     """Rungs about as far apart as the tokens whose KV takes the bytes of one checkpoint: a power of
-    two multiple of the checkpoint grid (tiny preset: 128 tokens; the 48B shape in bfloat16: 8192)."""
+    two multiple of the checkpoint grid (tiny preset: 128 tokens; the 48B shape in bfloat16: 8192);
+    `grid`: a coarser grid than the block's (the offload tier's chunk)."""
     tokens = state_spec.bytes_per_image / max(kv_spec.bytes_per_token, 1)
-    interval = checkpoint_grid(kv_spec.block_size)
+    interval = grid or checkpoint_grid(kv_spec.block_size)
     while interval < tokens:
         interval *= 2
     return interval

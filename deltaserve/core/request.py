@@ -13,6 +13,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()  # P/D consumer: blocks and a slot held, its load in flight
+    WAITING_FOR_TIER_LOAD = enum.auto()  # offload tier: blocks and a slot held, its hit being loaded
     PREEMPTED = enum.auto()
     # everything after this is finished
     FINISHED_STOPPED = enum.auto()
@@ -71,6 +72,9 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None
     remote_source: Any = None
     remote_load_failed: bool = False
+    # offload tier: the tokens a load in flight brings back; set when one failed (admitted without the tier)
+    tier_hit_tokens: int = 0
+    tier_load_failed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

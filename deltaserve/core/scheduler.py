@@ -38,6 +38,12 @@ that finishes for remote decode keeps its blocks and state slots (`held_for_tran
 consumer releases them or the connector's timeout passes. A consumer's request prefilled remotely
 is admitted to blocks and slots for its prompt and waits (`WAITING_FOR_REMOTE_KVS`) while the
 worker loads them; then it runs with its prompt computed and the producer's first token appended.
+
+With the offload tier (`offload`, deltaserve/offload/scheduler_side.py) every checkpoint saved on the
+chunk grid is also stored in the tier with the KV chunks before it (write-through), and admission
+looks past the HBM hit into the tier: a longer joint hit there is loaded while the request waits
+(`WAITING_FOR_TIER_LOAD`), then it runs from the hit; a failed load sends it back to waiting, to be
+admitted without the tier.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ from deltaserve.core.scheduler_output import (
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.kv_transfer.metadata import KVConnectorOutput, LoadSpec, RemoteSource
 from deltaserve.kv_transfer.scheduler_side import KVConnectorScheduler
+from deltaserve.offload.metadata import OffloadOutput
+from deltaserve.offload.scheduler_side import OffloadScheduler
+from deltaserve.offload.tier_index import TierHit
 
 NO_HIT = PrefixHit(0, [], None, 0)
 
@@ -120,9 +129,14 @@ class Scheduler:
         state_pool: StateSlotPool,
         prefix_cache: PrefixCache | None = None,
         kv_connector: KVConnectorScheduler | None = None,
+        offload: OffloadScheduler | None = None,
     ) -> None:
         self.config = config
         self.kv_connector = kv_connector
+        if offload is not None and prefix_cache is None:
+            raise ValueError("the offload tier stores prefix-cache checkpoints: it needs prefix caching")
+        self.offload = offload
+        self.tier_waiting: dict[str, Request] = {}  # offload tier: loads in flight
         self.remote_waiting: dict[str, Request] = {}  # consumer: loads in flight
         self._abandoned_loads: dict[str, Request] = {}  # consumer: aborted while loading, freed when it ends
         self.held_for_transfer: dict[str, Request] = {}  # producer: finished, blocks kept for the consumer
@@ -135,7 +149,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._announced: set[str] = set()
         self._finished_since_last_step: list[str] = []
-        self._saves_before_next_step: list[tuple[Checkpoint, StateSave]] = []
+        # (checkpoint, its save, (block hashes, block ids) for the offload tier or None)
+        self._saves_before_next_step: list[tuple[Checkpoint, StateSave, tuple[list, list] | None]] = []
         self._step_ids = itertools.count()
         self.num_preemptions_total = 0
         self.in_flight: OrderedDict[int, StepRecord] = OrderedDict()  # scheduled, not yet reported
@@ -151,7 +166,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or self.remote_waiting)
+        return bool(self.running or self.waiting or self.remote_waiting or self.tier_waiting)
 
     @property
     def has_pending_transfers(self) -> bool:
@@ -160,8 +175,9 @@ class Scheduler:
 
     @property
     def has_pending_saves(self) -> bool:
-        """End-of-sequence saves wait for a step to carry them: run one even with no requests left."""
-        return bool(self._saves_before_next_step)
+        """End-of-sequence saves wait for a step to carry them, and offload saves for the ranks' reports:
+        run steps even with no requests left."""
+        return bool(self._saves_before_next_step) or (self.offload is not None and self.offload.has_pending)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -192,6 +208,9 @@ class Scheduler:
                 del self.requests[request_id]
                 self._announce_finished(request_id)
                 continue
+            elif request.status == RequestStatus.WAITING_FOR_TIER_LOAD:
+                # its load runs in a step already scheduled, before any later step can reuse what it frees
+                del self.tier_waiting[request_id]
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -253,8 +272,12 @@ class Scheduler:
         cp = pc.file(request, boundary, CheckpointKind.END_OF_SEQUENCE)
         if cp is not None:
             # saved before anything else in the next step, before any slot can be reused; published
-            # when that step is scheduled
-            self._saves_before_next_step.append((cp, StateSave(slot, list(cp.unit_ids))))
+            # when that step is scheduled. The offload tier stores it in that step too, before its forward
+            # can overwrite the blocks freed now
+            n = boundary // self.kv_cache_manager.block_size
+            tier = ((pc.block_hashes(request)[:n], self.kv_cache_manager.block_ids(request.request_id)[:n])
+                    if self.offload is not None else None)
+            self._saves_before_next_step.append((cp, StateSave(slot, list(cp.unit_ids)), tier))
 
     def _chain_cached(self, request: Request, num_tokens: int) -> bool:
         """Whether every KV block of [0, num_tokens) of this request is findable (so a checkpoint at
@@ -288,11 +311,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         record = StepRecord(next(self._step_ids))
         out = _StepBuilder()
-        for cp, save in self._saves_before_next_step:
+        for cp, save, tier in self._saves_before_next_step:
             if self._still_filed(cp):  # this step saves it first thing: from now on later loads may find it
                 out.saves_before.append(save)
                 record.saved.append(cp)
                 self.prefix_cache.checkpoints.publish(cp.block_hash)
+                if tier is not None and self.offload is not None:
+                    self.offload.plan_save(*tier, cp.num_tokens, cp.unit_ids, before_forward=True)
         self._saves_before_next_step = []
 
         i = 0
@@ -323,7 +348,7 @@ class Scheduler:
             i += 1
 
         while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) + len(self.remote_waiting) < self.config.max_num_seqs):
+               and len(self.running) + len(self.remote_waiting) + len(self.tier_waiting) < self.config.max_num_seqs):
             request = self.waiting[0]
             if self.state_pool.num_free < self.slots_per_request:
                 break
@@ -335,6 +360,13 @@ class Scheduler:
             # what it computes is still committed for others
             reads_cache = self.prefix_cache is not None and not request.skip_reading_prefix_cache
             hit = self.prefix_cache.lookup(request) if reads_cache else NO_HIT
+            if reads_cache and self.offload is not None and not request.tier_load_failed:
+                tier_hit = self.offload.lookup(self.prefix_cache.block_hashes(request), request.num_tokens,
+                                               hit.num_kv_hit_tokens, hit.num_tokens)
+                if tier_hit is not None:
+                    if not self._admit_tier_load(request, tier_hit, out):
+                        break
+                    continue
             num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
             reserve = self._readmission_reserve(request)
             if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new + reserve,
@@ -368,6 +400,7 @@ class Scheduler:
         self._commit_and_publish(record, out)
         self.in_flight[record.step_id] = record
         meta = self.kv_connector.build_meta() if self.kv_connector is not None else None
+        offload_meta = self.offload.build_meta() if self.offload is not None else None
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         return SchedulerOutput(
@@ -383,6 +416,8 @@ class Scheduler:
             state_copies_after=out.copies_after,
             kv_connector_metadata=meta,
             poll_kv_connector=self.has_pending_transfers,
+            offload_metadata=offload_meta,
+            poll_offload=self.offload is not None and self.offload.has_pending,
         )
 
     def _admit_remote(self, request: Request, out: _StepBuilder) -> bool:
@@ -406,6 +441,56 @@ class Scheduler:
             out.new_requests.append(
                 NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params))
         return True
+
+    def _admit_tier_load(self, request: Request, hit: TierHit, out: _StepBuilder) -> bool:
+        """Offload tier: blocks and slots for a joint tier hit (HBM's blocks below hit.start_tokens,
+        fresh ones past it) and its load ordered; False (nothing changed) when they do not fit now."""
+        assert self.offload is not None and self.prefix_cache is not None
+        hashes = self.prefix_cache.block_hashes(request)
+        prefix = self.kv_cache_manager.cached_prefix(hashes, hit.start_tokens // self.kv_cache_manager.block_size)
+        if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens, prefix):
+            return False
+        self.waiting.popleft()
+        slot = self.state_pool.allocate(request.request_id)
+        self.state_pool.allocate(boundary_key(request.request_id))
+        table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens, prefix)
+        assert slot is not None and table is not None
+        self.offload.order_load(request.request_id, hit, table, slot)
+        request.tier_hit_tokens = hit.num_tokens
+        request.status = RequestStatus.WAITING_FOR_TIER_LOAD
+        self.tier_waiting[request.request_id] = request
+        if request.request_id not in self._announced:
+            self._announced.add(request.request_id)
+            out.new_requests.append(
+                NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params))
+        return True
+
+    def _finish_tier_loads(self, output: OffloadOutput) -> None:
+        """Offload tier: a request whose load every rank finished runs from its hit (the loaded blocks
+        become HBM prefix-cache blocks); one whose load failed goes back to waiting, to be admitted
+        without the tier."""
+        assert self.offload is not None and self.prefix_cache is not None
+        done, failed = self.offload.apply(output)
+        for request_id in done:
+            request = self.tier_waiting.pop(request_id, None)
+            if request is None:
+                continue  # aborted while loading: freed then
+            hit = PrefixHit(request.tier_hit_tokens, [], None, request.tier_hit_tokens)
+            self.prefix_cache.account(request, hit)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.kv_cache_manager.commit(request_id, self.prefix_cache.block_hashes(request), hit.num_tokens)
+        for request_id in failed:
+            request = self.tier_waiting.pop(request_id, None)
+            if request is None:
+                continue
+            self._free(request)
+            request.tier_load_failed = True
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _finish_loads(self, kv_output: KVConnectorOutput, update: StepUpdate) -> None:
         """P/D consumer: a finished load makes its request run (its prompt computed, the producer's
@@ -514,7 +599,7 @@ class Scheduler:
             cp = pc.file(request, end, kind)
             if cp is not None:
                 out.saves_after.append(StateSave(slot, list(cp.unit_ids)))
-                out.filed.append(cp)
+                out.filed.append((cp, request))
         if end > request.num_prompt_tokens:
             boundary_slot = self.state_pool.slot_of(boundary_key(request.request_id))
             assert boundary_slot is not None
@@ -544,16 +629,20 @@ class Scheduler:
         for request, end in record.commits:
             if request.status == RequestStatus.RUNNING:
                 self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request), end)
-        for cp in out.filed:
+        for cp, request in out.filed:
             if self.kv_cache_manager.pool.cached_block(cp.block_hash) is None:
                 out.saves_after = [save for save in out.saves_after if save.unit_ids != cp.unit_ids]
                 pc.checkpoints.free(cp.block_hash)
                 continue
             pc.checkpoints.publish(cp.block_hash)
             record.saved.append(cp)
+            if self.offload is not None:  # write-through: the tier stores it after this step's saves_after
+                self.offload.plan_save(pc.block_hashes(request), self.kv_cache_manager.block_ids(request.request_id),
+                                       cp.num_tokens, cp.unit_ids, before_forward=False)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int],
-                           kv_output: KVConnectorOutput | None = None) -> StepUpdate:
+                           kv_output: KVConnectorOutput | None = None,
+                           offload_output: OffloadOutput | None = None) -> StepUpdate:
         """After the step ran (steps are reported in the order they were scheduled): unpin what it
         loaded, mark what it saved written, append each sampled token of a request still in the life
         it was scheduled in, and finish requests that hit a stop condition."""
@@ -575,6 +664,8 @@ class Scheduler:
         update = StepUpdate()
         if kv_output is not None and self.kv_connector is not None:
             self._finish_loads(kv_output, update)
+        if offload_output is not None and self.offload is not None:
+            self._finish_tier_loads(offload_output)
         for chunk in scheduler_output.chunks:
             if not chunk.sample or chunk.request_id not in sampled:
                 continue
@@ -601,7 +692,7 @@ class Scheduler:
         accounted for: the tests and the fuzzer call this after every step."""
         kv = self.kv_cache_manager
         held: dict[int, int] = {}
-        transfers = {**self.remote_waiting, **self._abandoned_loads, **self.held_for_transfer}
+        transfers = {**self.remote_waiting, **self._abandoned_loads, **self.held_for_transfer, **self.tier_waiting}
         for request_id, table in kv._tables.items():
             request = self.requests.get(request_id) or transfers.get(request_id)
             assert request is not None and (request.status == RequestStatus.RUNNING or request_id in transfers), \
@@ -620,7 +711,9 @@ class Scheduler:
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
         assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.remote_waiting.values())
-        assert len(self.requests) == len(self.running) + len(self.waiting) + len(self.remote_waiting), \
+        assert all(r.status == RequestStatus.WAITING_FOR_TIER_LOAD for r in self.tier_waiting.values())
+        assert len(self.requests) == (len(self.running) + len(self.waiting) + len(self.remote_waiting)
+                                      + len(self.tier_waiting)), \
             "a request is neither running nor waiting"
         for request in self.requests.values():
             pending = sum(request.request_id in r.samples and r.lives[request.request_id] == request.num_preemptions
@@ -654,4 +747,4 @@ class _StepBuilder:
         self.loads: list[StateLoad] = []
         self.saves_after: list[StateSave] = []
         self.copies_after: list[StateCopy] = []
-        self.filed: list[Checkpoint] = []  # checkpoints that saves_after writes
+        self.filed: list[tuple[Checkpoint, Request]] = []  # checkpoints that saves_after writes, with their requests

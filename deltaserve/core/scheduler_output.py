@@ -107,8 +107,13 @@ class SchedulerOutput:
     # worker side must report finished transfers even in a step with nothing else to do
     kv_connector_metadata: Any = None
     poll_kv_connector: bool = False
+    # offload tier: its saves and loads (offload.metadata.OffloadMetadata), and whether the ranks must
+    # report saves in flight even in a step with nothing else to do
+    offload_metadata: Any = None
+    poll_offload: bool = False
 
     @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.finished_request_ids or self.state_saves_before
-                    or self.kv_connector_metadata is not None or self.poll_kv_connector)
+                    or self.kv_connector_metadata is not None or self.poll_kv_connector
+                    or self.offload_metadata is not None or self.poll_offload)

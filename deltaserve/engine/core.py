@@ -31,6 +31,7 @@ from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.core.stage_specs import model_wide_specs, plan_stage_caches
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.kv_transfer.engine_side import KVTransferEngineSide
+from deltaserve.offload.scheduler_side import OffloadScheduler, tier_index_for
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, StepPromptLogprobs, TokenLogprobs
 
@@ -127,6 +128,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self._timings: dict[str, _Timing] = {}
+        self.offload_rank_stats: dict[int, dict] = {}  # offload tier: each rank's latest counters
         self._num_computed_tokens = 0
         self.async_scheduling = config.resolve_async_scheduling(self.executor.device_type)
         # steps scheduled and handed to the executor, oldest first: async scheduling keeps two in flight,
@@ -159,7 +161,8 @@ class EngineCore:
         kv_manager = KVCacheManager(kv_spec, self.cache_plan.num_blocks, enable_prefix_caching=caching)
         self.prefix_cache: PrefixCache | None = None
         if caching:
-            interval = config.state_checkpoint_interval or default_checkpoint_interval(kv_spec, state_spec)
+            interval = config.state_checkpoint_interval or default_checkpoint_interval(kv_spec, state_spec,
+                                                                                       config.checkpoint_grid)
             # under PP a checkpoint takes the same unit ids on every stage: as many as the largest needs
             image_bytes = max(st.bytes_per_image for _, st in self.stage_specs)
             units = CheckpointPool(
@@ -176,7 +179,12 @@ class EngineCore:
                     f"(--state-checkpoint-fraction) or the cache budget, or turn prefix caching off "
                     f"(--no-enable-prefix-caching)"
                 )
-            self.prefix_cache = PrefixCache(kv_manager, units, interval)
+            chunk = config.kv_offloading_chunk_size if config.offloading_enabled else 1
+            self.prefix_cache = PrefixCache(kv_manager, units, interval, offload_chunk=chunk)
+        self.offload: OffloadScheduler | None = None
+        if config.offloading_enabled:
+            self.offload = OffloadScheduler(tier_index_for(config, self.stage_specs),
+                                            config.offloading_max_pending_saves)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots // slots_per_seq),
@@ -189,6 +197,7 @@ class EngineCore:
             StateSlotPool(self.cache_plan.num_state_slots),
             self.prefix_cache,
             self.kv_transfer.scheduler if self.kv_transfer is not None else None,
+            self.offload,
         )
 
     def _plan_caches(self, config: EngineConfig, max_model_len: int) -> None:
@@ -328,8 +337,10 @@ class EngineCore:
                stats: IterationStats) -> list[EngineCoreOutput]:
         if self.kv_transfer is not None and runner_output.kv_connector_output is not None:
             self.kv_transfer.note_output(runner_output.kv_connector_output)
+        if runner_output.offload_output is not None and runner_output.offload_output.stats:
+            self.offload_rank_stats.update(runner_output.offload_output.stats)
         update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request(),
-                                                   runner_output.kv_connector_output)
+                                                   runner_output.kv_connector_output, runner_output.offload_output)
         finished = {r.request_id: r for r in update.finished}
         if self.kv_transfer is not None and self.kv_transfer.scheduler.streams:
             self._publish_progress(scheduler_output)

@@ -46,6 +46,7 @@ from deltaserve.executor.rank_process import RankLaunch, RankReady, rank_main
 from deltaserve.executor.transport import EndpointPlan, EngineChannels
 from deltaserve.executor.worker_node import describe_exit
 from deltaserve.kv_transfer.metadata import KVOutputAggregator
+from deltaserve.offload.metadata import OffloadOutputAggregator
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._kv_layouts: list[Any] = []  # P/D: each rank's registered caches, once allocated
         self._kv_outputs = KVOutputAggregator(self.world_size) if engine_config.kv_transfer_config else None
+        self._offload_outputs = OffloadOutputAggregator(self.world_size) if engine_config.offloading_enabled else None
         self._monitor: NodeMonitor | None = None
         port = engine_config.master_port
         endpoints = (EndpointPlan.from_master(engine_config.master_addr or "127.0.0.1", port) if port is not None
@@ -270,10 +272,15 @@ class MultiprocExecutor(Executor):
             if self._kv_outputs is not None:  # P/D: a load is done once every rank has done its share
                 self._kv_outputs.add(sender, output.kv_connector_output)
                 output = dataclasses.replace(output, kv_connector_output=self._kv_outputs.take())
+            if self._offload_outputs is not None:  # the offload tier: a save or load is done on every rank
+                self._offload_outputs.add(sender, output.offload_output)
+                output = dataclasses.replace(output, offload_output=self._offload_outputs.take())
             self._outputs[step_id] = output
             self._stage_busy[self.pp - 1] = (busy_s, steps)
         elif kind == "kv" and self._kv_outputs is not None:
             self._kv_outputs.add(sender, payload[0])
+        elif kind == "offload" and self._offload_outputs is not None:
+            self._offload_outputs.add(sender, payload[0])
         elif kind == "busy":
             self._stage_busy[sender // self.tp] = payload
         elif kind == "synced":

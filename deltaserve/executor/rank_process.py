@@ -20,8 +20,9 @@ Engine -> rank: ("sync", n), ("init_cache", plan, stage state specs), ("step", S
 ModelRunnerOutput, busy_s, steps) from the output rank, ("busy", busy_s, steps) after each step from
 TP rank 0 of every other stage (busy_s: seconds the rank had a step in flight, from launching it to
 its output on the host, overlapping steps counted once; steps: steps run; both since start), ("kv",
-KVConnectorOutput) from any other rank whose P/D loads finished or failed in a step, and ("error",
-traceback text).
+KVConnectorOutput) from any other rank whose P/D loads finished or failed in a step, ("offload",
+OffloadOutput) from any other rank whose offload tier saved, loaded or counted something, and
+("error", traceback text).
 """
 
 from __future__ import annotations
@@ -224,6 +225,8 @@ def _step_messages(handle: AsyncModelRunnerOutput, step_id: int, launched: float
     if transfers is not None and (transfers.finished_recving or transfers.failed_recving
                                   or transfers.num_ops or transfers.num_staged_chunks):
         messages.append(("kv", transfers))
+    if output.offload_output is not None:  # the offload tier: this rank's saves and loads
+        messages.append(("offload", output.offload_output))
     if reports_busy:
         messages.append(("busy", busy_s, steps))
     return messages

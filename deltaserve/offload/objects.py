@@ -28,6 +28,9 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sHHIQ")  # magic, version, fingerprint length, payload crc32, payload length
 MAX_FINGERPRINT_BYTES = 0xFFFF
 KEY_SEPARATOR = ":"
+# a rank's fingerprint (offload/rank_caches.py): this prefix, then a digest of its cache layout
+RANK_FINGERPRINT_PREFIX = "rank-"
+RANK_FINGERPRINT_DIGEST_BYTES = 12
 
 ObjectKind = Literal["kv", "state"]
 OBJECT_KINDS: tuple[str, ...] = ("kv", "state")
@@ -86,6 +89,12 @@ def decode(data: bytes | memoryview, fingerprint: str) -> bytes:
         raise CorruptObject("checksum_mismatch",
                             f"crc32 of the {payload_length}-byte payload differs from the header's")
     return payload.tobytes()
+
+
+def rank_object_bytes(payload_bytes: int) -> int:
+    """Bytes a tier holds for a payload of `payload_bytes` that a rank stored (header, its
+    fingerprint, payload): what the tiers' byte-capped indexes count."""
+    return HEADER.size + len(RANK_FINGERPRINT_PREFIX) + 2 * RANK_FINGERPRINT_DIGEST_BYTES + payload_bytes
 
 
 def key_namespace(model: str, layout: str, dtype: str) -> str:

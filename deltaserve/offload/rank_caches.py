@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
-from deltaserve.offload.objects import HEADER
+from deltaserve.offload.objects import HEADER, RANK_FINGERPRINT_DIGEST_BYTES, RANK_FINGERPRINT_PREFIX
 
 
 def kv_chunk_payload_bytes(spec: MLALatentSpec, num_blocks: int) -> int:
@@ -143,14 +143,20 @@ class RankCaches:
 
     def fingerprint(self) -> str:
         """A short digest of `layout()`, for the TieredStore that checks every object it reads."""
-        return "rank-" + hashlib.blake2b(self.layout().encode(), digest_size=12).hexdigest()
+        return RANK_FINGERPRINT_PREFIX + hashlib.blake2b(self.layout().encode(),
+                                                         digest_size=RANK_FINGERPRINT_DIGEST_BYTES).hexdigest()
 
     # KV chunks -------------------------------------------------------------------------------
     def pack_kv(self, block_ids: Sequence[int]) -> memoryview:
         """The KV chunk payload of `block_ids` (see the module docstring), as host bytes."""
+        return self.host_bytes(self.snapshot_kv(block_ids), self.kv_chunk_bytes(len(block_ids)))
+
+    def snapshot_kv(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The KV chunk payload of `block_ids` as pieces copied on the device (queued on the current
+        stream, so they hold the rows as the work queued before them leaves them): `host_bytes` of
+        them, once that work has run, is `pack_kv`'s payload whatever later work writes the blocks."""
         index = self._index(block_ids, self.num_blocks, "block id")
-        return self._to_host((_as_bytes(cache.index_select(0, index)) for cache in self.mla.values()),
-                             self.kv_chunk_bytes(len(block_ids)))
+        return [_as_bytes(cache.index_select(0, index)) for cache in self.mla.values()]
 
     def unpack_kv(self, payload: bytes | memoryview, block_ids: Sequence[int]) -> None:
         """Writes a KV chunk payload into blocks `block_ids` of every MLA layer."""
@@ -167,7 +173,7 @@ class RankCaches:
         """The state image payload of `state_slot`, as host bytes."""
         self._check_slot(state_slot)
         rows = (_as_bytes(t[state_slot]) for pair in self.kda.values() for t in pair)
-        return self._to_host(rows, self.state_image_bytes)
+        return self.host_bytes(rows, self.state_image_bytes)
 
     def unpack_state(self, payload: bytes | memoryview, state_slot: int) -> None:
         """Overwrites state slot `state_slot` of every KDA layer with a state image payload."""
@@ -181,10 +187,13 @@ class RankCaches:
     def pack_state_units(self, unit_ids: Sequence[int]) -> memoryview:
         """The state image held in checkpoint units `unit_ids` (the image's first bytes in the first
         unit), as host bytes."""
+        return self.host_bytes(self.snapshot_state_units(unit_ids), self.state_image_bytes)
+
+    def snapshot_state_units(self, unit_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The state image in checkpoint units `unit_ids`, copied on the device as `snapshot_kv`."""
         units = self._units_for(unit_ids)
         index = self._index(unit_ids, units.shape[0], "checkpoint unit id")
-        image = units.index_select(0, index).reshape(-1)[: self.state_image_bytes]
-        return self._to_host([image], self.state_image_bytes)
+        return [units.index_select(0, index).reshape(-1)[: self.state_image_bytes]]
 
     def unpack_state_units(self, payload: bytes | memoryview, unit_ids: Sequence[int]) -> None:
         """Writes a state image payload into checkpoint units `unit_ids`, as StateCheckpointStore.save
@@ -245,9 +254,10 @@ class RankCaches:
             index = index.pin_memory()
         return index.to(self.device, non_blocking=True)
 
-    def _to_host(self, pieces: Iterable[torch.Tensor], nbytes: int) -> memoryview:
+    def host_bytes(self, pieces: Iterable[torch.Tensor], nbytes: int) -> memoryview:
         """Copies flat uint8 device tensors, back to back, into one fresh host buffer of `nbytes`
-        (pinned on CUDA) and waits for the copies; the buffer is the returned view's own."""
+        (pinned on CUDA) on the current stream and waits for the copies; the buffer is the returned
+        view's own."""
         on_cuda = self.device.type == "cuda"
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
         offset = 0

@@ -106,6 +106,14 @@ class RankOffloader:
         ids = list(block_ids)
         return self._submit(_Save(key, lambda: self.caches.pack_kv(ids), fence))
 
+    def save_snapshot(self, key: str, pieces: Sequence[torch.Tensor], nbytes: int, fence: Fence) -> bool:
+        """Queues the save of a payload already copied on the device (RankCaches.snapshot_kv or
+        snapshot_state_units, `nbytes` in all) under `key`: once `fence` (recorded after the copies)
+        is done the saver moves it to the host and stores it. The blocks or units it came from may
+        change as soon as this returns. False when refused, as save_kv_chunk."""
+        held = list(pieces)
+        return self._submit(_Save(key, lambda: self.caches.host_bytes(held, nbytes), fence))
+
     def save_state(self, key: str, fence: Fence, *, state_slot: int | None = None,
                    unit_ids: Sequence[int] | None = None) -> bool:
         """Queues the save of the state image in `state_slot` or in checkpoint units `unit_ids`

@@ -112,22 +112,26 @@ class TierIndex:
                 self.stats.state_evictions += 1
 
     # Joint hits ----------------------------------------------------------------------------
-    def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, hbm_hit_tokens: int) -> TierHit | None:
+    def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, hbm_hit_tokens: int,
+               hbm_kv_tokens: int | None = None) -> TierHit | None:
         """The longest joint hit of a request with `num_tokens` tokens whose full blocks hash to
-        `block_hashes`, if it reaches past `hbm_hit_tokens` (what HBM already gives); never covering
-        the last token (its logits are needed). Touches what it hits, as a tier load would."""
+        `block_hashes`, if it reaches past `hbm_hit_tokens` (HBM's joint hit); never covering the last
+        token (its logits are needed). `hbm_kv_tokens` (at least hbm_hit_tokens; default equal): the
+        KV prefix HBM holds, whose chunks need not be in the tier; a state image of the tier may end
+        inside it (HBM kept the KV but evicted the checkpoint). Touches what it hits, as a load would."""
         self.stats.lookups += 1
         chunks = self.chunk_hashes(block_hashes)
         max_chunks = (num_tokens - 1) // self.chunk_tokens
-        start_chunk = hbm_hit_tokens // self.chunk_tokens  # the KV below its start is in HBM already
+        kv_in_hbm = max(hbm_hit_tokens, hbm_kv_tokens or 0) // self.chunk_tokens
         best = 0
-        for n in range(start_chunk + 1, min(len(chunks), max_chunks) + 1):
-            if not self.has_kv(chunks[n - 1]):
+        for n in range(1, min(len(chunks), max_chunks) + 1):
+            if n > kv_in_hbm and not self.has_kv(chunks[n - 1]):
                 break
             if self.has_state(chunks[n - 1]):
                 best = n
         if best * self.chunk_tokens <= hbm_hit_tokens:
             return None
+        start_chunk = min(kv_in_hbm, best)  # the KV below it is in HBM already
         for h in chunks[start_chunk:best]:
             self._entries.move_to_end(("kv", h))
         self._entries.move_to_end(("state", chunks[best - 1]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,6 +107,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_params: dict[str, SamplingParams] = {}
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
+        self.offload: Any = None  # the offload tier's rank side (offload/worker_side.py), when it is on
         self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
         self.block_tables = BlockTables(device=device)  # every running request's table, kept across steps
         # [rows] long on the device, by block-table row: the token the row's request sampled last;
@@ -231,7 +233,9 @@ class ModelRunner:
         self.block_tables.drop(dropped)
         self._has_sampled.difference_update(dropped)
         if self.state_store is not None:
-            self.state_store.before_forward(scheduler_output)
+            offload = self.offload
+            between = None if offload is None else lambda: offload.before_forward(scheduler_output.offload_metadata)
+            self.state_store.before_forward(scheduler_output, between)
         result = self._forward_and_sample(scheduler_output) if scheduler_output.chunks else None
         if result is None:
             output = ModelRunnerOutput()
@@ -241,6 +245,13 @@ class ModelRunner:
             output = _runner_output(result, {name: t.tolist() for name, t in tensors.items()})  # the host sync
             return AsyncModelRunnerOutput.ready(output) if non_block else output
         return AsyncModelRunnerOutput(_copy_to_host(result, tensors))
+
+    def _after_forward_state(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's checkpoint saves and copies after the forward, then the offload tier's saves of them."""
+        if self.state_store is not None:
+            self.state_store.after_forward(scheduler_output)
+        if self.offload is not None:
+            self.offload.after_forward(scheduler_output.offload_metadata)
 
     def _forward_and_sample(self, scheduler_output: SchedulerOutput) -> StepResult | None:
         """Queue the step's forward, sampling and prompt logprobs; None when no chunk samples or
@@ -255,8 +266,7 @@ class ModelRunner:
             with set_forward_context(ctx):
                 rows = self._stage_forward(step.input_ids)
             if rows is None:  # a stage before the last: its stream went on to the next stage
-                if self.state_store is not None:
-                    self.state_store.after_forward(scheduler_output)
+                self._after_forward_state(scheduler_output)
                 return None
             to_logits = self.model.compute_logits
             logits = to_logits(rows[step.sample_rows]) if step.sample_chunks else None
@@ -264,8 +274,7 @@ class ModelRunner:
         if step.prompt_plan.request_ids:
             prompt = prompt_logprob_tensors(rows[step.prompt_rows], to_logits, step.prompt_targets,
                                             step.prompt_plan.max_num_logprobs)
-        if self.state_store is not None:
-            self.state_store.after_forward(scheduler_output)
+        self._after_forward_state(scheduler_output)
         if not step.sample_chunks:
             return StepResult([], [], None, step.prompt_plan, prompt) if prompt is not None else None
         params = [self.sampling_params[c.request_id] for c in step.sample_chunks]

@@ -36,6 +36,7 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, StepPromptLogprobs] = field(default_factory=dict)
     kv_connector_output: Any = None  # P/D: kv_transfer.metadata.KVConnectorOutput, loads finished or failed
+    offload_output: Any = None  # offload tier: offload.metadata.OffloadOutput, saves and loads finished
 
     def sampled_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))

@@ -7,6 +7,8 @@ cut into `unit_bytes` pieces stored in the units the scheduler chose (not necess
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deltaserve.core.scheduler_output import SchedulerOutput
@@ -54,9 +56,12 @@ class StateCheckpointStore:
         for t in self.state_tensors:
             t[dst_slot].copy_(t[src_slot])
 
-    def before_forward(self, scheduler_output: SchedulerOutput) -> None:
+    def before_forward(self, scheduler_output: SchedulerOutput, between: Callable[[], None] | None = None) -> None:
+        """The step's saves_before, then `between` (the offload tier's saves and loads), then its loads."""
         for save in scheduler_output.state_saves_before:
             self.save(save.state_slot, save.unit_ids)
+        if between is not None:
+            between()
         for load in scheduler_output.state_loads:
             self.load(load.unit_ids, load.state_slot)
 

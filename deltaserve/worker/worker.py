@@ -20,6 +20,7 @@ from deltaserve.kv_transfer.worker_side import KVConnectorWorker
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
+from deltaserve.offload.worker_side import OffloadWorker
 from deltaserve.ops.moe.grouped import grouped_mm_supported
 from deltaserve.worker.cuda_graph import DecodeGraphs, capture_sizes
 from deltaserve.worker.model_runner import ModelRunner
@@ -57,6 +58,7 @@ class Worker:
         self.model: KimiLinearForCausalLM | None = None
         self.runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None  # P/D: built once the caches exist
+        self.offload: OffloadWorker | None = None  # the offload tier's rank side: built once the caches exist
         dcp = self.parallel.decode_context_parallel_size
         # decode context parallelism: this rank stores its stripe of every sequence's MLA latents
         self.dcp = (DCPLayout(dcp, self.parallel.decode_context_parallel_rank, engine_config.block_size,
@@ -162,6 +164,11 @@ class Worker:
             self.kv_connector = KVConnectorWorker(transfer, self.parallel, bs,
                                                   self.engine_config.dcp_kv_cache_interleave_size)
             self.kv_connector.register(self.model)
+        if self.engine_config.offloading_enabled:
+            assert self.runner.state_store is not None, "the offload tier needs prefix caching's checkpoint units"
+            max_model_len = self.engine_config.max_model_len or self.model_config.max_position_embeddings
+            self.offload = self.runner.offload = OffloadWorker.build(
+                self.engine_config, self.model, self.parallel, self.runner.state_store.units, max_model_len)
         if self.parallel.pipeline_parallel_size > 1:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
         elif self.dcp is not None:
@@ -199,22 +206,28 @@ class Worker:
         """Run one step; with non_block, return once it is queued (see ModelRunner.execute)."""
         assert self.runner is not None, "load_model() first"
         connector = self.kv_connector
-        if connector is None:
+        if connector is None and self.offload is None:
             return self.runner.execute(scheduler_output, non_block)
-        connector.start_loads(scheduler_output.kv_connector_metadata)
+        if connector is not None:
+            connector.start_loads(scheduler_output.kv_connector_metadata)
         output = self.runner.execute(scheduler_output, non_block)
-        transfers = connector.poll()  # after the forward: the loads ran beside it
+        # after the forward: the P/D loads ran beside it; the offload tier's loads ran before it
+        reports = {"kv_connector_output": connector.poll() if connector is not None else None,
+                   "offload_output": self.offload.poll() if self.offload is not None else None}
         if isinstance(output, ModelRunnerOutput):
-            return dataclasses.replace(output, kv_connector_output=transfers)
+            return dataclasses.replace(output, **reports)
         if output.is_ready:  # the CPU's: a handle that waits for nothing stays one
-            return AsyncModelRunnerOutput.ready(dataclasses.replace(output.get_output(), kv_connector_output=transfers))
-        return AsyncModelRunnerOutput(lambda: dataclasses.replace(output.get_output(), kv_connector_output=transfers))
+            return AsyncModelRunnerOutput.ready(dataclasses.replace(output.get_output(), **reports))
+        return AsyncModelRunnerOutput(lambda: dataclasses.replace(output.get_output(), **reports))
 
     def kv_layout(self) -> Any:
         """This rank's registered caches (kv_transfer.layout.RankLayout), or None without a KV connector."""
         return None if self.kv_connector is None else self.kv_connector.layout
 
     def shutdown(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None

@@ -8,20 +8,17 @@ import pytest
 import torch
 
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
-from deltaserve.offload import (
-    Fence,
-    HostTier,
+from deltaserve.offload.fence import Fence
+from deltaserve.offload.objects import encode, key_namespace, object_key, worker_id
+from deltaserve.offload.rank_caches import (
     RankCaches,
-    RankOffloader,
-    TieredStore,
-    key_namespace,
     kv_chunk_payload_bytes,
-    object_key,
     state_image_payload_bytes,
     stored_object_bytes,
-    worker_id,
 )
-from deltaserve.offload.objects import encode
+from deltaserve.offload.rank_store import RankOffloader
+from deltaserve.offload.tiered_store import TieredStore
+from deltaserve.offload.tiers import HostTier
 from deltaserve.worker.state_store import StateCheckpointStore
 
 BLOCK_SIZE, LATENT_DIM, NUM_BLOCKS = 4, 8, 8
