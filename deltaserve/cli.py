@@ -47,6 +47,21 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
                                   help='prefill/decode disaggregation, e.g. \'{"kv_connector": "NixlConnector", '
                                        '"kv_role": "kv_producer"}\' (MooncakeConnector also; kv_role kv_consumer '
                                        'for a decode server)')),
+    ("--kv-offloading-size", dict(default=None, metavar="BYTES",
+                                  help="offload tier in host memory, summed over the ranks, e.g. 64GiB (with "
+                                       "prefix caching: KV chunks and KDA state images behind HBM)")),
+    ("--kv-offloading-disk-path", dict(default=None, metavar="DIR",
+                                       help="offload tier on disk in this directory (one subdirectory per rank)")),
+    ("--kv-offloading-disk-size", dict(default=None, metavar="BYTES",
+                                       help="bytes the disk tier may take, summed over the ranks")),
+    ("--kv-offloading-remote", dict(default=None, metavar="URL",
+                                    help="a Mooncake Store shared across engines, mooncake://MASTER:RPC_PORT")),
+    ("--kv-offloading-chunk-size", dict(type=int, default=EngineConfig.kv_offloading_chunk_size,
+                                        help="tokens per stored KV chunk (a multiple of the block size x DCP); "
+                                             "checkpoints sit on this grid")),
+    ("--kv-offloading-max-pending-saves", dict(type=int, default=None,
+                                               help="saves in flight to the tier (default: 2 x the pipeline "
+                                                    "stage count); more are skipped")),
     ("--distributed-executor-backend", dict(default=None,
                                             help="uniproc | mp (default: mp with more than one rank)")),
     ("--nnodes", dict(type=int, default=1, help="nodes the ranks span (each runs world size / nnodes ranks)")),

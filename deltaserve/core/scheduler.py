@@ -179,6 +179,11 @@ class Scheduler:
         run steps even with no requests left."""
         return bool(self._saves_before_next_step) or (self.offload is not None and self.offload.has_pending)
 
+    @property
+    def has_unsent_saves(self) -> bool:
+        """End-of-sequence saves not yet put on a step."""
+        return bool(self._saves_before_next_step)
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 

@@ -266,11 +266,12 @@ class EngineCore:
         return self._has_work_to_schedule() or bool(self._batch_queue)
 
     def waiting_only_on_transfers(self) -> bool:
-        """P/D consumer: every unfinished request waits for its KV to arrive and no step is in flight
-        (a step then only polls the loads: the loop may pause between them)."""
+        """Every unfinished request waits for its KV to arrive (a P/D consumer's load, an offload tier
+        load reported by some ranks only) or only offload saves are still to be reported, and no step is
+        in flight: a step then only polls the ranks, so the loop may pause between them."""
         s = self.scheduler
-        return bool(s.remote_waiting) and not s.running and not s.waiting and not s.has_pending_saves \
-            and not self._batch_queue
+        transfers = bool(s.remote_waiting or s.tier_waiting) or (s.offload is not None and s.offload.has_pending)
+        return transfers and not s.running and not s.waiting and not s.has_unsent_saves and not self._batch_queue
 
     def _has_work_to_schedule(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_saves
@@ -479,6 +480,9 @@ class EngineCore:
         if self.kv_transfer is not None:
             metrics["kv_transfer"] = {**self.kv_transfer.metrics(),
                                       "remote_waiting": len(self.scheduler.remote_waiting)}
+        if self.offload is not None:
+            metrics["offload"] = {**self.offload.snapshot(self.offload_rank_stats),
+                                  "loading_requests": len(self.scheduler.tier_waiting)}
         pc = self.prefix_cache
         if pc is not None:
             stats = dataclasses.asdict(pc.stats)

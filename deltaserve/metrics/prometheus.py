@@ -104,6 +104,31 @@ class EngineMetrics:
                                        "P/D consumer: requests waiting for their KV and state to arrive.")
         self.transfers_expired = counter("kv_transfer_expired",
                                          "P/D producer: held requests freed because no consumer read them in time.")
+        self._tier_counters = {
+            key: Counter(PREFIX + "offload_tier_" + key, doc, ["model_name", "tier"], registry=r)
+            for key, doc in (
+                ("hits", "Offload tier: objects loaded from this tier (the fastest holding a valid copy)."),
+                ("misses", "Offload tier: loads this tier did not hold."),
+                ("stored_bytes", "Offload tier: bytes written to this tier."),
+                ("loaded_bytes", "Offload tier: bytes read from this tier."),
+                ("evictions", "Offload tier: objects this tier evicted (least recently used)."),
+                ("corrupt_objects", "Offload tier: objects found corrupt, truncated or foreign (dropped, a miss)."),
+                ("failures", "Offload tier: calls that failed (the tier is then skipped for a while)."),
+                ("store_seconds_sum", "Offload tier: seconds spent storing objects."),
+                ("store_count", "Offload tier: objects stored (with store_seconds_sum: the mean store latency)."),
+                ("load_seconds_sum", "Offload tier: seconds spent loading objects."),
+                ("load_count", "Offload tier: loads (with load_seconds_sum: the mean load latency)."),
+            )
+        }
+        self._tier_degraded = Gauge(PREFIX + "offload_tier_degraded", "Offload tier: 1 while skipped after a failure.",
+                                    ["model_name", "tier"], registry=r)
+        self.offload_loads = counter("offload_loads", "Offload tier: requests whose joint hit was loaded.")
+        self.offload_load_failures = counter("offload_load_failures",
+                                             "Offload tier: loads that failed on some rank (recomputed).")
+        self.offload_loaded_tokens = counter("offload_loaded_tokens", "Offload tier: tokens loads brought back.")
+        self.offload_saves = counter("offload_saves", "Offload tier: checkpoint saves every rank stored.")
+        self.offload_saves_skipped = counter("offload_saves_skipped",
+                                             "Offload tier: saves skipped because max pending saves were in flight.")
         self._last_totals: dict[str, float] = {}
 
     def _increment(self, key: str, counter: Any, total: float) -> None:
@@ -157,6 +182,9 @@ class EngineMetrics:
             self.transfers_streaming.set(transfer["streams"])
             self.transfers_waiting.set(transfer["remote_waiting"])
             self._increment("transfers_expired", self.transfers_expired, transfer["expired_transfers"])
+        offload = snapshot.get("offload")
+        if offload is not None:
+            self._record_offload(offload)
         cps = snapshot.get("checkpoints")
         if cps is not None:
             self.checkpoints.set(cps["num_checkpoints"])
@@ -176,6 +204,17 @@ class EngineMetrics:
             self._increment(f"busy:{stage}", self._stage_busy.labels(self._model, str(stage)), total)
         for stage, total in enumerate(executor.get("stage_steps", ())):
             self._increment(f"steps:{stage}", self._stage_steps.labels(self._model, str(stage)), total)
+
+    def _record_offload(self, offload: dict[str, Any]) -> None:
+        """The offload tier's totals, and each tier's counters summed over the ranks."""
+        for key, counter in (("loads_done", self.offload_loads), ("loads_failed", self.offload_load_failures),
+                             ("loaded_tokens", self.offload_loaded_tokens), ("saves_done", self.offload_saves),
+                             ("saves_skipped", self.offload_saves_skipped)):
+            self._increment(f"offload:{key}", counter, offload[key])
+        for tier, row in offload["tiers"].items():
+            for key, counter in self._tier_counters.items():
+                self._increment(f"tier:{tier}:{key}", counter.labels(self._model, tier), row.get(key, 0))
+            self._tier_degraded.labels(self._model, tier).set(row.get("degraded", 0))
 
     def record_aborts(self, count: int) -> None:
         if count:

@@ -155,12 +155,16 @@ class RankCaches:
         """The KV chunk payload of `block_ids` as pieces copied on the device (queued on the current
         stream, so they hold the rows as the work queued before them leaves them): `host_bytes` of
         them, once that work has run, is `pack_kv`'s payload whatever later work writes the blocks."""
+        if not self.mla:  # a stage without MLA layers stores empty chunks
+            return []
         index = self._index(block_ids, self.num_blocks, "block id")
         return [_as_bytes(cache.index_select(0, index)) for cache in self.mla.values()]
 
     def unpack_kv(self, payload: bytes | memoryview, block_ids: Sequence[int]) -> None:
         """Writes a KV chunk payload into blocks `block_ids` of every MLA layer."""
         self._check_size("KV chunk", payload, self.kv_chunk_bytes(len(block_ids)))
+        if not self.mla:
+            return
         index = self._index(block_ids, self.num_blocks, "block id")
         data, offset = self._to_device(payload), 0
         for cache in self.mla.values():
@@ -207,8 +211,10 @@ class RankCaches:
 
     # Helpers ---------------------------------------------------------------------------------
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
-        """Raises ValueError naming the first of `block_ids` that is not a block of these caches."""
-        self._check_ids(block_ids, self.num_blocks, "block id")
+        """Raises ValueError naming the first of `block_ids` that is not a block of these caches (any id
+        goes on a rank without MLA layers: it has no blocks, and its chunks are empty)."""
+        if self.mla:
+            self._check_ids(block_ids, self.num_blocks, "block id")
 
     def check_state_target(self, state_slot: int | None, unit_ids: Sequence[int] | None) -> None:
         """Raises ValueError unless exactly one of a valid state slot and valid unit ids is given."""

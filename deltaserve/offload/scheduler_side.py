@@ -203,7 +203,18 @@ class OffloadScheduler:
                 self.index.forget("kv", h)
         return done, failed
 
-    def snapshot(self) -> dict[str, int]:
-        """Plain numbers for metrics."""
-        return {**vars(self.stats), "pending_saves": len(self._pending),
-                **{f"index_{k}": v for k, v in self.index.snapshot().items()}}
+    def snapshot(self, rank_stats: dict[int, dict] | None = None) -> dict[str, Any]:
+        """Plain numbers for metrics: this side's counters, the index, and from each rank's latest
+        report (`rank_stats`: global rank -> {"rank": RankOffloader counters, "tiers": per tier}) the
+        tiers' counters summed over the ranks, by tier name (a tier is degraded if it is on any rank)."""
+        tiers: dict[str, dict[str, float]] = {}
+        ranks: dict[str, float] = {}
+        for report in (rank_stats or {}).values():
+            for name, row in report.get("tiers", {}).items():
+                summed = tiers.setdefault(name, {})
+                for key, value in row.items():
+                    summed[key] = max(summed.get(key, 0), value) if key == "degraded" else summed.get(key, 0) + value
+            for key, value in report.get("rank", {}).items():
+                ranks[key] = ranks.get(key, 0) + value
+        return {**vars(self.stats), "pending_saves": len(self._pending), "index": self.index.snapshot(),
+                "tiers": tiers, "ranks": ranks}

@@ -5,15 +5,7 @@ for the plain tests (one process group, killed at teardown); the outage test run
 kills it mid-run and brings it back on the same port.
 """
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-from contextlib import closing
-from pathlib import Path
 
 import pytest
 
@@ -22,63 +14,13 @@ from deltaserve.offload.objects import encode
 from deltaserve.offload.tiered_store import TieredStore
 from deltaserve.offload.tiers import HostTier, TierError
 from offload.damage import DAMAGES, FINGERPRINT, blob, damaged_object
+from offload.mooncake_master import MASTER_BINARY, Master, free_port
 
 store_module = pytest.importorskip("mooncake.store", reason="Mooncake Store client not installed")
-MASTER_START_TIMEOUT_S = 20.0
 RECOVERY_TIMEOUT_S = 30.0
 
 
-def find_master_binary() -> str | None:
-    candidates = [shutil.which("mooncake_master"), str(Path(sys.executable).parent / "mooncake_master"),
-                  str(Path(store_module.__file__).parent / "mooncake_master")]
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-
-
-MASTER_BINARY = find_master_binary()
 pytestmark = pytest.mark.skipif(MASTER_BINARY is None, reason="mooncake_master binary not found")
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Master:
-    """A mooncake_master in its own process group, on fixed ports so it can be restarted in place."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.rpc_port, self.metrics_port = free_port(), free_port()
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mooncake://127.0.0.1:{self.rpc_port}"
-
-    def start(self) -> None:
-        command = [MASTER_BINARY, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                   f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + MASTER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"mooncake_master exited with {self.process.returncode}: {self.log_path.read_text()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        pytest.fail(f"mooncake_master did not listen on {self.rpc_port}: {self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        """Kills the master's process group (and waits for it)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
