@@ -205,3 +205,36 @@ def test_offload_options_are_checked_at_startup(tmp_path):
     with pytest.raises(ValueError, match="kv_offloading_chunk_size=256"):  # the interval must sit on the chunk grid
         LLM(model="random:tiny", device="cpu", kv_offloading_size="1GiB", state_checkpoint_interval=64)
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.skipif(MASTER_BINARY is None, reason="Mooncake (mooncake-transfer-engine-non-cuda) not installed")
+def test_the_tier_beside_a_pd_connector_on_one_prefill_server(model_dir, tmp_path):
+    """A P/D producer that also offloads: its prefills hit the tier once HBM evicted them, and the
+    consumer decoding from what it transferred gives the colocated engine's tokens."""
+    from kv_transfer.test_pd_engine import _decode, _prefill, _settle
+
+    transfer = {"kv_connector": "MooncakeConnector"}
+    reference = LLM(model=model_dir, enable_prefix_caching=False, **COMMON)
+    # room for every session's prompt held for its consumer at once; checkpoints still few
+    producer = LLM(model=model_dir, **COMMON, **TIER, num_kv_blocks=110, max_num_seqs=SESSIONS,
+                   state_checkpoint_fraction=0.001, kv_offloading_size="64MiB",
+                   kv_transfer_config={**transfer, "kv_role": "kv_producer", "transfer_timeout_s": 20})
+    consumer = LLM(model=model_dir, **COMMON, kv_transfer_config={**transfer, "kv_role": "kv_consumer"})
+    try:
+        system = random_prompts([70], 320, seed=1)[0]
+        messages = random_prompts([5 + 9 * i for i in range(SESSIONS * 4)], 320, seed=3)
+        prompts = [system + messages[s] for s in range(SESSIONS)]
+        for turn in range(3):
+            want = reference.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
+            got = _decode(consumer, prompts, _prefill(producer, prompts), 6)
+            _settle(producer, consumer)
+            for g, w in zip(got, want, strict=True):
+                assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            prompts = [p + w.outputs[0].token_ids + messages[(turn + 1) * SESSIONS + s]
+                       for s, (p, w) in enumerate(zip(prompts, want, strict=True))]
+        offload = producer.get_metrics()["offload"]
+        assert offload["loads_done"] > 0 and offload["saves_done"] > 0
+        assert_nothing_held(producer)
+    finally:
+        for llm in (reference, producer, consumer):
+            llm.shutdown()
