@@ -47,6 +47,9 @@ def test_generate_token_ids_and_seed_reproducible(capsys):
         (["generate", "x", "--model", "/nonexistent/dir"], "config.json"),
         (["generate", "99999", "--prompt-token-ids"], "vocabulary"),
         (["make-model", "--preset", "huge", "--out", "/tmp/never"], "preset"),
+        (["generate", "x", "--kv-offloading-size", "1GiB", "--kv-offloading-chunk-size", "24"],
+         "kv_offloading_chunk_size"),
+        (["generate", "x", "--kv-offloading-disk-path", "/tmp/never"], "kv_offloading_disk_size"),
     ],
 )
 def test_cli_errors_name_the_field(args, field, capsys):
@@ -60,6 +63,22 @@ def test_make_model_then_generate(tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, "config.json"))
     capsys.readouterr()
     assert main(["generate", "abc", "--model", out, "--max-tokens", "5", "--cache-memory", "64MiB"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_offloading_flags_reach_the_engine(tmp_path, capsys):
+    from deltaserve.cli import build_parser, engine_options
+
+    args = build_parser().parse_args(["serve", "--kv-offloading-size", "2GiB", "--kv-offloading-disk-path", "/d",
+                                      "--kv-offloading-disk-size", "8GiB", "--kv-offloading-remote",
+                                      "mooncake://m:50051", "--kv-offloading-chunk-size", "512",
+                                      "--kv-offloading-max-pending-saves", "8"])
+    options = engine_options(args)
+    assert (options["kv_offloading_size"], options["kv_offloading_disk_path"], options["kv_offloading_disk_size"],
+            options["kv_offloading_remote"], options["kv_offloading_chunk_size"],
+            options["kv_offloading_max_pending_saves"]) == ("2GiB", "/d", "8GiB", "mooncake://m:50051", 512, 8)
+    assert main(["generate", "abc", "--max-tokens", "4", "--kv-offloading-size", "64MiB",
+                 "--kv-offloading-disk-path", str(tmp_path / "tier"), "--kv-offloading-disk-size", "64MiB"]) == 0
     assert capsys.readouterr().out.strip()
 
 

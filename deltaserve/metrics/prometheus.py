@@ -104,20 +104,22 @@ class EngineMetrics:
                                        "P/D consumer: requests waiting for their KV and state to arrive.")
         self.transfers_expired = counter("kv_transfer_expired",
                                          "P/D producer: held requests freed because no consumer read them in time.")
+        # TieredStore.stats() key -> its series; latency as seconds and calls counters (rate(s) / rate(calls))
         self._tier_counters = {
-            key: Counter(PREFIX + "offload_tier_" + key, doc, ["model_name", "tier"], registry=r)
-            for key, doc in (
-                ("hits", "Offload tier: objects loaded from this tier (the fastest holding a valid copy)."),
-                ("misses", "Offload tier: loads this tier did not hold."),
-                ("stored_bytes", "Offload tier: bytes written to this tier."),
-                ("loaded_bytes", "Offload tier: bytes read from this tier."),
-                ("evictions", "Offload tier: objects this tier evicted (least recently used)."),
-                ("corrupt_objects", "Offload tier: objects found corrupt, truncated or foreign (dropped, a miss)."),
-                ("failures", "Offload tier: calls that failed (the tier is then skipped for a while)."),
-                ("store_seconds_sum", "Offload tier: seconds spent storing objects."),
-                ("store_count", "Offload tier: objects stored (with store_seconds_sum: the mean store latency)."),
-                ("load_seconds_sum", "Offload tier: seconds spent loading objects."),
-                ("load_count", "Offload tier: loads (with load_seconds_sum: the mean load latency)."),
+            key: Counter(PREFIX + "offload_tier_" + series, doc, ["model_name", "tier"], registry=r)
+            for key, series, doc in (
+                ("hits", "hits", "Offload tier: objects loaded from this tier (the fastest holding a valid copy)."),
+                ("misses", "misses", "Offload tier: loads this tier did not hold."),
+                ("stored_bytes", "stored_bytes", "Offload tier: bytes written to this tier."),
+                ("loaded_bytes", "loaded_bytes", "Offload tier: bytes read from this tier."),
+                ("evictions", "evictions", "Offload tier: objects this tier evicted (least recently used)."),
+                ("corrupt_objects", "corrupt_objects",
+                 "Offload tier: objects found corrupt, truncated or foreign (dropped, a miss)."),
+                ("failures", "failures", "Offload tier: calls that failed (the tier is then skipped for a while)."),
+                ("store_seconds_sum", "store_seconds", "Offload tier: seconds spent storing objects."),
+                ("store_count", "store_calls", "Offload tier: objects stored (store latency: store_seconds / this)."),
+                ("load_seconds_sum", "load_seconds", "Offload tier: seconds spent loading objects."),
+                ("load_count", "load_calls", "Offload tier: loads (load latency: load_seconds / this)."),
             )
         }
         self._tier_degraded = Gauge(PREFIX + "offload_tier_degraded", "Offload tier: 1 while skipped after a failure.",

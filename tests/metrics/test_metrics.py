@@ -50,6 +50,26 @@ def test_running_totals_become_increments_and_gauges_follow_the_snapshot():
     assert v["deltaserve:e2e_request_latency_seconds_sum"] == 1.5
 
 
+def test_offload_tier_series_per_tier():
+    m = EngineMetrics("tiny", max_model_len=1000)
+    tiers = {"host": {"hits": 3, "misses": 1, "stored_bytes": 100, "loaded_bytes": 60, "evictions": 0,
+                      "corrupt_objects": 0, "failures": 0, "store_seconds_sum": 0.5, "store_count": 4,
+                      "load_seconds_sum": 0.1, "load_count": 4, "degraded": 0},
+             "disk": {"hits": 1, "corrupt_objects": 2, "failures": 1, "degraded": 1}}
+    offload = {"loads_done": 4, "loads_failed": 1, "loaded_tokens": 512, "saves_done": 6, "saves_skipped": 2,
+               "tiers": tiers}
+    m.record(None, {**_snapshot(), "offload": offload})
+    v = _values(m)
+    assert v["deltaserve:offload_tier_hits_total{tier=host}"] == 3
+    assert v["deltaserve:offload_tier_hits_total{tier=disk}"] == 1
+    assert v["deltaserve:offload_tier_corrupt_objects_total{tier=disk}"] == 2
+    assert v["deltaserve:offload_tier_load_seconds_total{tier=host}"] == 0.1
+    assert v["deltaserve:offload_tier_load_calls_total{tier=host}"] == 4
+    assert v["deltaserve:offload_tier_degraded{tier=disk}"] == 1
+    assert v["deltaserve:offload_loads_total"] == 4 and v["deltaserve:offload_saves_skipped_total"] == 2
+    assert v["deltaserve:offload_loaded_tokens_total"] == 512
+
+
 def test_token_buckets_stop_at_the_context():
     assert _token_buckets(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
