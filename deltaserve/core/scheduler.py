@@ -369,7 +369,7 @@ class Scheduler:
                 tier_hit = self.offload.lookup(self.prefix_cache.block_hashes(request), request.num_tokens,
                                                hit.num_kv_hit_tokens, hit.num_tokens)
                 if tier_hit is not None:
-                    if not self._admit_tier_load(request, tier_hit, out):
+                    if not self._admit_tier_load(request, tier_hit, hit.num_tokens, out):
                         break
                     continue
             num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
@@ -447,7 +447,7 @@ class Scheduler:
                 NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params))
         return True
 
-    def _admit_tier_load(self, request: Request, hit: TierHit, out: _StepBuilder) -> bool:
+    def _admit_tier_load(self, request: Request, hit: TierHit, hbm_hit_tokens: int, out: _StepBuilder) -> bool:
         """Offload tier: blocks and slots for a joint tier hit (HBM's blocks below hit.start_tokens,
         fresh ones past it) and its load ordered; False (nothing changed) when they do not fit now."""
         assert self.offload is not None and self.prefix_cache is not None
@@ -460,7 +460,7 @@ class Scheduler:
         self.state_pool.allocate(boundary_key(request.request_id))
         table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens, prefix)
         assert slot is not None and table is not None
-        self.offload.order_load(request.request_id, hit, table, slot)
+        self.offload.order_load(request.request_id, hit, table, slot, hbm_hit_tokens)
         request.tier_hit_tokens = hit.num_tokens
         request.status = RequestStatus.WAITING_FOR_TIER_LOAD
         self.tier_waiting[request.request_id] = request

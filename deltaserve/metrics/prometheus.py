@@ -127,7 +127,11 @@ class EngineMetrics:
         self.offload_loads = counter("offload_loads", "Offload tier: requests whose joint hit was loaded.")
         self.offload_load_failures = counter("offload_load_failures",
                                              "Offload tier: loads that failed on some rank (recomputed).")
-        self.offload_loaded_tokens = counter("offload_loaded_tokens", "Offload tier: tokens loads brought back.")
+        self.offload_loaded_tokens = counter("offload_loaded_tokens",
+                                             "Offload tier: tokens whose KV loads brought back from the tier.")
+        self.offload_hit_tokens = counter("offload_hit_tokens",
+                                          "Offload tier: prompt tokens its loads added to the HBM prefix-cache hit "
+                                          "(the tier's share of prefix_cache_hits).")
         self.offload_saves = counter("offload_saves", "Offload tier: checkpoint saves every rank stored.")
         self.offload_saves_skipped = counter("offload_saves_skipped",
                                              "Offload tier: saves skipped because max pending saves were in flight.")
@@ -210,7 +214,8 @@ class EngineMetrics:
     def _record_offload(self, offload: dict[str, Any]) -> None:
         """The offload tier's totals, and each tier's counters summed over the ranks."""
         for key, counter in (("loads_done", self.offload_loads), ("loads_failed", self.offload_load_failures),
-                             ("loaded_tokens", self.offload_loaded_tokens), ("saves_done", self.offload_saves),
+                             ("loaded_tokens", self.offload_loaded_tokens), ("hit_tokens", self.offload_hit_tokens),
+                             ("saves_done", self.offload_saves),
                              ("saves_skipped", self.offload_saves_skipped)):
             self._increment(f"offload:{key}", counter, offload[key])
         for tier, row in offload["tiers"].items():

@@ -41,7 +41,8 @@ class OffloadSchedulerStats:
     loads_ordered: int = 0
     loads_done: int = 0
     loads_failed: int = 0
-    loaded_tokens: int = 0  # tokens loads brought back (what HBM held below them not counted)
+    loaded_tokens: int = 0  # tokens whose KV loads brought back (what HBM held below them not counted)
+    hit_tokens: int = 0  # prompt tokens finished loads added to the HBM hit (the tier's share of hit_tokens)
 
 
 DEFAULT_REMOTE_SEGMENT_BYTES = 1 << 30  # each rank's share of a Mooncake Store without kv_offloading_size
@@ -91,7 +92,7 @@ class OffloadScheduler:
         self._saves_before: list[OffloadSave] = []
         self._saves_after: list[OffloadSave] = []
         self._loads: list[OffloadLoad] = []
-        self._load_hits: dict[str, TierHit] = {}  # loads in flight
+        self._load_hits: dict[str, tuple[TierHit, int]] = {}  # loads in flight, with the HBM hit they beat
 
     @property
     def chunk_tokens(self) -> int:
@@ -149,14 +150,15 @@ class OffloadScheduler:
         """The tier's joint hit for a request about to be admitted, if it beats HBM's."""
         return self.index.lookup(block_hashes, num_tokens, hbm_hit_tokens, hbm_kv_tokens=hbm_kv_tokens)
 
-    def order_load(self, request_id: str, hit: TierHit, table: Sequence[int], state_slot: int) -> None:
+    def order_load(self, request_id: str, hit: TierHit, table: Sequence[int], state_slot: int,
+                   hbm_hit_tokens: int) -> None:
         """Load `hit` into the request's `table` (its blocks from hit.start_tokens on are fresh) and
-        `state_slot`, in the step being scheduled."""
+        `state_slot`, in the step being scheduled; `hbm_hit_tokens`: the HBM hit it beats."""
         per, first = self.index.blocks_per_chunk, hit.start_tokens // self.block_size
         chunks = [KVChunkRef(h, list(table[first + i * per:first + (i + 1) * per]))
                   for i, h in enumerate(hit.kv_chunk_hashes)]
         self._loads.append(OffloadLoad(request_id, chunks, hit.state_hash, state_slot))
-        self._load_hits[request_id] = hit
+        self._load_hits[request_id] = (hit, hbm_hit_tokens)
         self.stats.loads_ordered += 1
 
     def build_meta(self) -> OffloadMetadata | None:
@@ -186,16 +188,19 @@ class OffloadScheduler:
                 self.index.add_state(state)
         done = []
         for request_id in output.loads_done:
-            hit = self._load_hits.pop(request_id, None)
-            if hit is not None:
+            loaded = self._load_hits.pop(request_id, None)
+            if loaded is not None:
+                hit, hbm_hit_tokens = loaded
                 done.append(request_id)
                 self.stats.loads_done += 1
                 self.stats.loaded_tokens += hit.num_tokens - hit.start_tokens
+                self.stats.hit_tokens += hit.num_tokens - hbm_hit_tokens
         failed: dict[str, str] = {}
         for request_id, why in output.loads_failed.items():
-            hit = self._load_hits.pop(request_id, None)
-            if hit is None:
+            loaded = self._load_hits.pop(request_id, None)
+            if loaded is None:
                 continue
+            hit = loaded[0]
             failed[request_id] = why
             self.stats.loads_failed += 1
             self.index.forget("state", hit.state_hash)

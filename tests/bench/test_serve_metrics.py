@@ -124,10 +124,31 @@ def test_prometheus_counters_of_deltaserve_and_vllm():
     assert parse_prefix_cache_counters("# TYPE other counter\nother_total 1\n") is None
 
 
+def test_the_offload_tiers_share_of_the_hit():
+    def exposition(queries, hits, tier, host, disk):
+        def counter(name, value, labels='model_name="m"'):
+            return f"# TYPE deltaserve:{name} counter\ndeltaserve:{name}_total{{{labels}}} {value}\n"
+
+        return (counter("prefix_cache_queries", queries) + counter("prefix_cache_hits", hits)
+                + counter("offload_hit_tokens", tier)
+                + counter("offload_tier_hits", host, 'model_name="m",tier="host"')
+                + f'deltaserve:offload_tier_hits_total{{model_name="m",tier="disk"}} {disk}\n')
+
+    before = parse_prefix_cache_counters(exposition(100, 20, 0, 0, 0))
+    after = parse_prefix_cache_counters(exposition(500, 320, 200, 9, 3))
+    assert (after.tier_hits, after.tier_object_hits) == (200, {"host": 9, "disk": 3})
+    level = summarize_level(4, [_record(0, 0.0, [0.5, 1.0], usage=Usage(100, 2, 50))], duration_s=1.0, num_gpus=1,
+                            oracle_block_size=16, counters=(before, after))
+    cache = level["prefix_cache"]
+    assert (cache["metrics_hit_rate"], cache["tier_hit_rate"], cache["hbm_hit_rate"]) == (0.75, 0.5, 0.25)
+    assert cache["tier_object_hits"] == {"host": 9, "disk": 3}
+    assert "50.0%" in format_table([level]).splitlines()[1]
+
+
 def test_root_url_and_table():
     assert root_url("http://h:8000/v1/") == root_url("http://h:8000") == "http://h:8000"
     level = summarize_level(4, [_record(0, 0.0, [0.5, 1.0], usage=Usage(100, 2, 50))], duration_s=1.0,
                             num_gpus=1, oracle_block_size=16)
     header, row = format_table([level]).splitlines()
     assert header.split()[:3] == ["C", "done", "fail"] and row.split()[:3] == ["4", "1", "0"]
-    assert len(header) == len(row) and "50.0%" in row and row.split()[-2] == "-"  # no /metrics
+    assert len(header) == len(row) and "50.0%" in row and row.split()[-3:-1] == ["-", "-"]  # no /metrics

@@ -56,7 +56,8 @@ def test_offload_tier_series_per_tier():
                       "corrupt_objects": 0, "failures": 0, "store_seconds_sum": 0.5, "store_count": 4,
                       "load_seconds_sum": 0.1, "load_count": 4, "degraded": 0},
              "disk": {"hits": 1, "corrupt_objects": 2, "failures": 1, "degraded": 1}}
-    offload = {"loads_done": 4, "loads_failed": 1, "loaded_tokens": 512, "saves_done": 6, "saves_skipped": 2,
+    offload = {"loads_done": 4, "loads_failed": 1, "loaded_tokens": 512, "hit_tokens": 640, "saves_done": 6,
+               "saves_skipped": 2,
                "tiers": tiers}
     m.record(None, {**_snapshot(), "offload": offload})
     v = _values(m)
@@ -67,7 +68,7 @@ def test_offload_tier_series_per_tier():
     assert v["deltaserve:offload_tier_load_calls_total{tier=host}"] == 4
     assert v["deltaserve:offload_tier_degraded{tier=disk}"] == 1
     assert v["deltaserve:offload_loads_total"] == 4 and v["deltaserve:offload_saves_skipped_total"] == 2
-    assert v["deltaserve:offload_loaded_tokens_total"] == 512
+    assert v["deltaserve:offload_loaded_tokens_total"] == 512 and v["deltaserve:offload_hit_tokens_total"] == 640
 
 
 def test_token_buckets_stop_at_the_context():

@@ -27,6 +27,8 @@ PREFIX_CACHE_COUNTERS = (
     ("deltaserve:prefix_cache_queries_total", "deltaserve:prefix_cache_hits_total"),
     ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
 )
+OFFLOAD_HIT_TOKENS = "deltaserve:offload_hit_tokens_total"  # the offload tier's share of the hits
+OFFLOAD_TIER_HITS = "deltaserve:offload_tier_hits_total"  # objects loaded, by tier label
 
 
 @dataclass
@@ -47,6 +49,9 @@ class PrefixCacheCounters:
     queries: float
     hits: float
     metric: str  # the queries counter's name
+    # deltaserve's offload tier: the hit tokens it added beyond HBM, and objects loaded per tier
+    tier_hits: float | None = None
+    tier_object_hits: dict[str, float] | None = None
 
 
 def root_url(base_url: str) -> str:
@@ -70,12 +75,17 @@ def parse_prefix_cache_counters(text: str) -> PrefixCacheCounters | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
+    per_tier: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            if sample.name == OFFLOAD_TIER_HITS and "tier" in sample.labels:
+                tier = sample.labels["tier"]
+                per_tier[tier] = per_tier.get(tier, 0.0) + sample.value
     for queries, hits in PREFIX_CACHE_COUNTERS:
         if queries in totals and hits in totals:
-            return PrefixCacheCounters(totals[queries], totals[hits], queries)
+            return PrefixCacheCounters(totals[queries], totals[hits], queries, totals.get(OFFLOAD_HIT_TOKENS),
+                                       per_tier or None)
     return None
 
 

@@ -109,13 +109,20 @@ def summarize_level(concurrency: int, records: Sequence[RequestRecord], duration
         queried, hits = after.queries - before.queries, after.hits - before.hits
         metrics_hit = {"metrics_hit_rate": _ratio(hits, queried), "metrics_queried_tokens": queried,
                        "metrics_hit_tokens": hits, "metrics_counter": after.metric}
+        if after.tier_hits is not None:  # deltaserve's offload tier: its share of the hit, objects per tier
+            tier = after.tier_hits - (before.tier_hits or 0.0)
+            metrics_hit.update(tier_hit_tokens=tier, tier_hit_rate=_ratio(tier, queried),
+                               hbm_hit_rate=_ratio(hits - tier, queried),
+                               tier_object_hits={name: n - (before.tier_object_hits or {}).get(name, 0.0)
+                                                 for name, n in (after.tier_object_hits or {}).items()})
     oracle = oracle_hit_tokens(done, oracle_block_size)
     prefix_cache = {
         "usage_hit_rate": None if usage is None else _ratio(usage[0], usage[1]),
         "usage_cached_tokens": None if usage is None else usage[0],
         "usage_prompt_tokens": None if usage is None else usage[1],
         "metrics_hit_rate": None, "metrics_queried_tokens": None, "metrics_hit_tokens": None,
-        "metrics_counter": None,
+        "metrics_counter": None, "tier_hit_tokens": None, "tier_hit_rate": None, "hbm_hit_rate": None,
+        "tier_object_hits": None,
         **(metrics_hit or {}),
         "oracle_hit_rate": _ratio(oracle, input_tokens),
         "oracle_hit_tokens": oracle,

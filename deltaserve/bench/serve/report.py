@@ -29,6 +29,7 @@ _COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("E2E med", ("e2e_latency_ms", "median"), ".1f"),
     ("hit usage", ("prefix_cache", "usage_hit_rate"), ".1%"),
     ("hit metrics", ("prefix_cache", "metrics_hit_rate"), ".1%"),
+    ("hit tier", ("prefix_cache", "tier_hit_rate"), ".1%"),
     ("oracle", ("prefix_cache", "oracle_hit_rate"), ".1%"),
 )
 
