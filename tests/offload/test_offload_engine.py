@@ -238,3 +238,29 @@ def test_the_tier_beside_a_pd_connector_on_one_prefill_server(model_dir, tmp_pat
     finally:
         for llm in (reference, producer, consumer):
             llm.shutdown()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_tier_outputs_equal_the_engine_without_caching(model_dir):
+    """On a GPU: saves copy on the compute stream behind the producer fence, loads queue before the
+    forward; greedy tokens equal a CUDA engine without prefix caching (logprobs within 1e-3)."""
+    on_gpu = dict(COMMON, device="cuda", enforce_eager=True)
+    plain = LLM(model=model_dir, **{**on_gpu, "enable_prefix_caching": False})
+    try:
+        want = run_sessions(plain)
+    finally:
+        plain.shutdown()
+    llm = LLM(model=model_dir, **on_gpu, **SMALL_HBM, **TIER, kv_offloading_size="64MiB")
+    try:
+        got = run_sessions(llm)
+        for turn_got, turn_want in zip(got, want, strict=True):
+            for a, b in zip(turn_got, turn_want, strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids,
+                                     strict=True):
+                    assert abs(la[t].logprob - lb[t].logprob) < 1e-3
+        offload = llm.get_metrics()["offload"]
+        assert offload["loads_done"] > 0 and offload["loads_failed"] == 0 and offload["saves_done"] > 0
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
