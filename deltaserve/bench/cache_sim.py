@@ -16,6 +16,13 @@ Choices, stated in the output:
 
 The oracle is an infinite cache: for each request the longest leading run of its hash_ids that
 is a leading run of the full blocks of any earlier request, never covering its last token.
+
+With `--tier-bytes` each configuration also runs with the offload tier (deltaserve/offload/): the
+real OffloadScheduler and TierIndex beside the Scheduler, a host tier of that many bytes behind HBM
+(cache_sim_tier.py: objects sized for the 48B shape, every save and load done in the step that
+orders it, so the tier is ideal and lossless within its capacity). 0 is HBM only, the path without
+the tier. A tier hit counts in the request's hit (`num_cached_tokens`) like an HBM hit, so hit% of
+the tier rows is HBM + tier against the same oracle.
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 
+from deltaserve.bench.cache_sim_tier import (
+    MODEL_PRESET,
+    build_offload,
+    format_bytes,
+    ideal_report,
+    parse_tier_sizes,
+    tier_object_bytes,
+    tier_results,
+)
 from deltaserve.bench.mooncake import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from deltaserve.bench.prefix_oracle import InfinitePrefixCache
 from deltaserve.core.checkpoint_pool import CheckpointPool
@@ -59,15 +75,19 @@ def oracle_hit_tokens(records: Sequence[TraceRecord]) -> list[int]:
 
 
 def _steps(scheduler: Scheduler) -> Iterator[None]:
-    """Run one scheduler step per iteration; every sampled chunk gets SAMPLED_TOKEN."""
+    """Run one scheduler step per iteration; every sampled chunk gets SAMPLED_TOKEN, and every tier
+    save and load the step orders is reported done with it. A step that only saves checkpoints or
+    moves tier objects is progress too (a tier load, or the end-of-sequence saves drained at the end)."""
     while True:
         out = scheduler.schedule()
-        if not out.chunks:
+        meta = out.offload_metadata
+        if not (out.chunks or meta is not None or out.state_saves_before or scheduler.tier_waiting):
             raise RuntimeError(
                 f"no progress with {scheduler.num_waiting} waiting and {scheduler.num_running} running: "
                 "a request needs more KV blocks than kv_blocks; raise kv_blocks"
             )
-        scheduler.update_from_output(out, {c.request_id: SAMPLED_TOKEN for c in out.chunks if c.sample})
+        sampled = {c.request_id: SAMPLED_TOKEN for c in out.chunks if c.sample}
+        scheduler.update_from_output(out, sampled, offload_output=ideal_report(meta))
         yield
 
 
@@ -81,11 +101,17 @@ def run_cache_sim(
     concurrency: int = 64,
     max_num_batched_tokens: int = 16384,
     records: Sequence[TraceRecord] | None = None,
+    tier_bytes: int = 0,
+    tier_chunk_tokens: int = TRACE_BLOCK_TOKENS,
+    tier_max_pending_saves: int = 2,
 ) -> dict:
     """Replay the trace through one cache configuration; returns its numbers as plain data.
 
     hit_tokens counts each request's hit at its first admission (re-admissions after a preemption
     are left out, so hit and oracle share the denominator queried_tokens = sum of input_length).
+    tier_bytes > 0 adds the offload tier (chunks of tier_chunk_tokens; the checkpoint grid becomes
+    lcm(512, 64, tier_chunk_tokens)); num_steps stops when the last request finishes, and the steps
+    that then drain its end-of-sequence saves (into HBM units and the tier) are num_drain_steps.
     """
     if records is None:
         records = read_trace(trace_path, max_requests)
@@ -93,13 +119,15 @@ def run_cache_sim(
     spec = MLALatentSpec(block_size=TRACE_BLOCK_TOKENS, num_layers=1, latent_dim=1, dtype_bytes=1)
     kv = KVCacheManager(spec, kv_blocks, enable_prefix_caching=True)
     checkpoints = CheckpointPool(checkpoint_units, unit_bytes=1, image_bytes=1)
-    prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval)
+    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves)
+    prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval,
+                               offload_chunk=tier_chunk_tokens if offload is not None else 1)
     max_len = max((r.input_length for r in records), default=0) + max_output_tokens + 1
     config = SchedulerConfig(
         max_num_seqs=concurrency, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len
     )
     state_pool = StateSlotPool(2 * concurrency)
-    scheduler = Scheduler(config, kv, state_pool, prefix_cache)
+    scheduler = Scheduler(config, kv, state_pool, prefix_cache, offload=offload)
     steps = _steps(scheduler)
     num_steps = 0
     requests = []
@@ -113,12 +141,16 @@ def run_cache_sim(
         )
         requests.append(request)
         scheduler.add_request(request)
-        while scheduler.num_running + scheduler.num_waiting > concurrency:
+        while scheduler.num_running + scheduler.num_waiting + len(scheduler.tier_waiting) > concurrency:
             next(steps)
             num_steps += 1
     while scheduler.has_unfinished_requests():
         next(steps)
         num_steps += 1
+    num_drain_steps = 0
+    while scheduler.has_pending_saves:
+        next(steps)
+        num_drain_steps += 1
 
     queried = sum(r.input_length for r in records)
     hit = sum(req.num_cached_tokens or 0 for req in requests)
@@ -144,6 +176,8 @@ def run_cache_sim(
         "checkpoints_declined_no_units": checkpoints.stats.declined_no_units,
         "num_preemptions": scheduler.num_preemptions_total,
         "num_steps": num_steps,
+        "num_drain_steps": num_drain_steps,
+        **tier_results(offload, tier_bytes, tier_chunk_tokens, tier_max_pending_saves),
         "kv_free_blocks_at_end": kv.num_free_blocks,
         "state_slots_free_at_end": state_pool.num_free,
         "seconds": time.perf_counter() - started,
@@ -155,11 +189,15 @@ def _ints(text: str) -> list[int]:
 
 
 def format_table(results: Sequence[dict]) -> str:
-    """One row per configuration; filed/evicted columns are rung/prompt_end/end_of_sequence/demand."""
+    """One row per configuration; filed/evicted columns are rung/prompt_end/end_of_sequence/demand;
+    tier is the offload tier's bytes (0: HBM only); t_loads its loads, t_loaded the KV tokens they
+    moved, t_hit the tokens they added past HBM's joint hit (a state image alone adds the KV HBM
+    still held), all over every admission; skipped: the saves dropped at max_pending_saves."""
     kinds = ("rung", "prompt_end", "end_of_sequence", "demand")
     header = (
-        f"{'kv_blocks':>9} {'ckpt_units':>10} {'interval':>8} {'queried':>11} {'hit':>11} {'hit%':>6} "
-        f"{'oracle%':>7} {'hit/orc':>7} {'lost_ckpt':>10} {'filed r/p/e/d':>22} {'evicted r/p/e/d':>22} {'preempt':>7}"
+        f"{'kv_blocks':>9} {'ckpt_units':>10} {'interval':>8} {'tier':>7} {'queried':>11} {'hit':>11} {'hit%':>6} "
+        f"{'oracle%':>7} {'hit/orc':>7} {'t_loads':>7} {'t_loaded':>11} {'t_hit':>11} {'skipped':>7} "
+        f"{'lost_ckpt':>10} {'filed r/p/e/d':>22} {'evicted r/p/e/d':>22} {'preempt':>7}"
     )
     lines = [header]
     for r in results:
@@ -167,8 +205,10 @@ def format_table(results: Sequence[dict]) -> str:
         evicted = "/".join(str(r["checkpoints_evicted"][k]) for k in kinds)
         lines.append(
             f"{r['kv_blocks']:>9} {r['checkpoint_units']:>10} {r['checkpoint_interval']:>8} "
-            f"{r['queried_tokens']:>11} {r['hit_tokens']:>11} {100 * r['hit_rate']:>6.2f} "
-            f"{100 * r['oracle_hit_rate']:>7.2f} {r['hit_over_oracle']:>7.3f} "
+            f"{format_bytes(r['tier_bytes']):>7} {r['queried_tokens']:>11} {r['hit_tokens']:>11} "
+            f"{100 * r['hit_rate']:>6.2f} {100 * r['oracle_hit_rate']:>7.2f} {r['hit_over_oracle']:>7.3f} "
+            f"{r['tier_loads']:>7} {r['tier_loaded_tokens']:>11} {r['tier_hit_tokens']:>11} "
+            f"{r['tier_saves_skipped']:>7} "
             f"{r['tokens_lost_to_missing_checkpoint']:>10} {filed:>22} {evicted:>22} {r['num_preemptions']:>7}"
         )
     return "\n".join(lines)
@@ -183,37 +223,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--max-output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--tier-bytes", default="0",
+                   help="comma-separated offload tier sizes, e.g. 0,64GiB,256GiB (0: HBM only); each runs every config")
+    p.add_argument("--tier-chunk-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+                   help="the tier's KV chunk in tokens, a multiple of 512")
+    p.add_argument("--tier-max-pending-saves", type=int, default=2, help="tier saves in flight; more are skipped")
     p.add_argument("--json", default=None, help="also write the results here")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    """Run the grid kv_blocks x intervals, print one row per configuration (the table last); returns the rows."""
+    """Run the grid kv_blocks x intervals x tier sizes, print one row per configuration (the table
+    last); returns the rows."""
     args = build_parser().parse_args(argv)
     kv_sizes = _ints(args.kv_blocks)
     units = _ints(args.checkpoint_units) if args.checkpoint_units else [n // 8 for n in kv_sizes]
     if len(units) != len(kv_sizes):
         raise SystemExit(f"--checkpoint-units={args.checkpoint_units} needs one value per --kv-blocks={args.kv_blocks}")
+    tier_sizes = parse_tier_sizes(args.tier_bytes)
     records = read_trace(args.trace, args.max_requests)
     print(
         f"trace={args.trace} requests={len(records)} block_size={TRACE_BLOCK_TOKENS} "
         f"max_tokens=min(output_length, {args.max_output_tokens}) concurrency={args.concurrency} "
         "one checkpoint = one unit (unit-sized image); arrivals in trace order under the concurrency limit"
     )
+    if any(tier_sizes):
+        kv_chunk_bytes, image_bytes = tier_object_bytes(args.tier_chunk_tokens)
+        print(
+            f"offload tier: ideal and lossless (every save and load done in the step that orders it), LRU by "
+            f"bytes; {MODEL_PRESET} bf16 objects: KV chunk of {args.tier_chunk_tokens} tokens = {kv_chunk_bytes} B, "
+            f"state image = {image_bytes} B; max_pending_saves={args.tier_max_pending_saves}"
+        )
     results = []
     for kv_blocks, num_units in zip(kv_sizes, units, strict=True):
         for interval in _ints(args.intervals):
-            r = run_cache_sim(
-                args.trace,
-                kv_blocks,
-                num_units,
-                interval,
-                max_output_tokens=args.max_output_tokens,
-                concurrency=args.concurrency,
-                records=records,
-            )
-            print(f"kv_blocks={kv_blocks} interval={interval}: {r['seconds']:.1f}s", flush=True)
-            results.append(r)
+            for tier_bytes in tier_sizes:
+                r = run_cache_sim(
+                    args.trace,
+                    kv_blocks,
+                    num_units,
+                    interval,
+                    max_output_tokens=args.max_output_tokens,
+                    concurrency=args.concurrency,
+                    records=records,
+                    tier_bytes=tier_bytes,
+                    tier_chunk_tokens=args.tier_chunk_tokens,
+                    tier_max_pending_saves=args.tier_max_pending_saves,
+                )
+                print(f"kv_blocks={kv_blocks} interval={interval} tier={format_bytes(tier_bytes)}: "
+                      f"{r['seconds']:.1f}s", flush=True)
+                results.append(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,0 +1,126 @@
+"""The trace replay with the offload tier: prefixes a tiny HBM evicted come back from the tier (up to
+the oracle when it is big enough, never below HBM only when it is tiny), nothing leaks, a 0-byte tier
+is exactly the replay without one, and the tier's objects have the 48B shape's sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltaserve.bench.cache_sim import main, run_cache_sim
+from deltaserve.bench.cache_sim_tier import parse_tier_sizes, tier_object_bytes
+from deltaserve.offload.objects import rank_object_bytes
+
+MiB, GiB = 1 << 20, 1 << 30
+# (hash_ids, input_length); every request has output_length 4. Each 7-block prompt fills an
+# 8-block HBM, evicting what came before it.
+TRACE = [
+    ([1, 2, 3], 1536),
+    ([10, 11, 12, 13, 14, 15, 16], 3584),
+    ([1, 2, 3, 4], 2048),  # [1, 2, 3]: 1536
+    ([10, 11, 12, 13, 14, 15, 17], 3400),  # [10..15]: 3072
+    ([1, 2, 3, 4, 5], 2500),  # [1, 2, 3, 4]: 2048
+    ([20, 21, 22, 23, 24, 25, 26], 3584),
+    ([10, 11, 12, 13, 14, 15, 17], 3500),  # the fourth's 6 full blocks: 3072
+]
+ORACLE_TOKENS = 1536 + 3072 + 2048 + 3072
+# kv_blocks, checkpoint_units, checkpoint_interval, concurrency
+SERIAL = dict(kv_blocks=8, checkpoint_units=2, checkpoint_interval=512, concurrency=1)
+CONCURRENT = dict(kv_blocks=10, checkpoint_units=3, checkpoint_interval=1024, concurrency=2)  # with preemptions
+
+
+@pytest.fixture
+def trace_path(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with open(path, "w") as f:
+        for i, (hash_ids, input_length) in enumerate(TRACE):
+            f.write(json.dumps({"timestamp": i, "input_length": input_length, "output_length": 4,
+                                "hash_ids": hash_ids}) + "\n")
+    return str(path)
+
+
+def assert_nothing_leaked(r: dict, kv_blocks: int, concurrency: int) -> None:
+    assert r["kv_free_blocks_at_end"] == kv_blocks
+    assert r["state_slots_free_at_end"] == 2 * concurrency
+
+
+def test_a_big_tier_brings_back_what_hbm_evicted(trace_path):
+    hbm = run_cache_sim(trace_path, **SERIAL)
+    tier = run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB)
+    assert hbm["oracle_hit_tokens"] == tier["oracle_hit_tokens"] == ORACLE_TOKENS
+    assert hbm["hit_tokens"] == 0  # two checkpoint units and 8 blocks keep nothing across a 7-block prompt
+    assert tier["hit_tokens"] == ORACLE_TOKENS and tier["hit_over_oracle"] == 1.0
+    # one request at a time: the same schedule, so every token the tier added is the whole difference
+    assert tier["tier_hit_tokens"] == tier["hit_tokens"] - hbm["hit_tokens"]
+    assert tier["tier_loads"] == 4 and tier["tier_saves_skipped"] == 0
+    assert tier["tier_index"]["used_bytes"] <= GiB
+    for r in (hbm, tier):
+        assert_nothing_leaked(r, SERIAL["kv_blocks"], SERIAL["concurrency"])
+
+
+def test_concurrent_requests_with_preemptions(trace_path):
+    hbm = run_cache_sim(trace_path, **CONCURRENT)
+    tier = run_cache_sim(trace_path, **CONCURRENT, tier_bytes=GiB)
+    assert hbm["num_preemptions"] > 0
+    assert hbm["hit_tokens"] < tier["hit_tokens"] <= tier["oracle_hit_tokens"]
+    assert tier["tier_loads"] > 0
+    for r in (hbm, tier):
+        assert_nothing_leaked(r, CONCURRENT["kv_blocks"], CONCURRENT["concurrency"])
+
+
+@pytest.mark.parametrize("config", [SERIAL, CONCURRENT], ids=["serial", "concurrent"])
+def test_a_tier_of_one_image_never_hits_less(trace_path, config):
+    kv_chunk_bytes, image_bytes = tier_object_bytes(512)
+    hbm = run_cache_sim(trace_path, **config)
+    tiny = run_cache_sim(trace_path, **config, tier_bytes=kv_chunk_bytes + image_bytes)
+    assert tiny["hit_tokens"] >= hbm["hit_tokens"]
+    assert tiny["tier_index"]["used_bytes"] <= kv_chunk_bytes + image_bytes
+    assert_nothing_leaked(tiny, config["kv_blocks"], config["concurrency"])
+
+
+# The replay before the tier existed (the commit that added it), on this trace: every one of its numbers.
+OLD_PATH = {
+    "serial": (SERIAL, dict(hit_tokens=0, kv_hit_tokens_all_admissions=1536, tokens_lost_to_missing_checkpoint=1536,
+                            checkpoints_filed={"rung": 30, "prompt_end": 7, "end_of_sequence": 0, "demand": 0},
+                            checkpoints_evicted={"rung": 29, "prompt_end": 6, "end_of_sequence": 0, "demand": 0},
+                            num_preemptions=0, num_steps=61)),
+    "concurrent": (CONCURRENT, dict(hit_tokens=0, kv_hit_tokens_all_admissions=16896,
+                                    tokens_lost_to_missing_checkpoint=6144,
+                                    checkpoints_filed={"rung": 13, "prompt_end": 7, "end_of_sequence": 0, "demand": 2},
+                                    checkpoints_evicted={"rung": 11, "prompt_end": 6, "end_of_sequence": 0,
+                                                         "demand": 2},
+                                    num_preemptions=6, num_steps=35)),
+}
+
+
+@pytest.mark.parametrize("name", OLD_PATH)
+def test_a_zero_byte_tier_is_the_replay_without_one(trace_path, name):
+    config, old = OLD_PATH[name]
+    r = run_cache_sim(trace_path, **config, tier_bytes=0)
+    assert {k: r[k] for k in old} == old
+    assert r["oracle_hit_tokens"] == ORACLE_TOKENS and r["num_drain_steps"] == 0
+    assert r["tier_index"] is None and r["tier_loads"] == r["tier_saves_done"] == r["tier_hit_tokens"] == 0
+
+
+def test_object_sizes_are_the_48b_shape():
+    # 7 MLA layers x 576 latents x 2 bytes a token; 20 KDA layers x (conv 3 x 4096 x 3 x 2 + recurrent 32 x 128^2 x 4)
+    assert tier_object_bytes(512) == (rank_object_bytes(512 * 8064), rank_object_bytes(43_417_600))
+    assert tier_object_bytes(1024)[0] == rank_object_bytes(1024 * 8064)
+
+
+def test_flags(trace_path, capsys):
+    assert parse_tier_sizes("0,64GiB, 256GiB") == [0, 64 * GiB, 256 * GiB]
+    rows = main(["--trace", trace_path, "--kv-blocks", "8", "--checkpoint-units", "2", "--intervals", "512",
+                 "--concurrency", "1", "--tier-bytes", "0,1GiB", "--tier-max-pending-saves", "3"])
+    assert [r["tier_bytes"] for r in rows] == [0, GiB] and rows[1]["tier_max_pending_saves"] == 3
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "ideal and lossless" in lines[1]
+    assert lines[-3].split()[:4] == ["kv_blocks", "ckpt_units", "interval", "tier"]
+    assert lines[-1].split()[:4] == ["8", "2", "512", "1GiB"]
+    with pytest.raises(ValueError, match="multiple of the checkpoint grid"):  # chunk 1024: the grid is 1024
+        run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB, tier_chunk_tokens=1024)
+    with pytest.raises(ValueError, match="tier-chunk-tokens=700"):
+        run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB, tier_chunk_tokens=700)
+    with pytest.raises(ValueError, match="cannot hold one KV chunk"):
+        run_cache_sim(trace_path, **SERIAL, tier_bytes=MiB)
