@@ -42,4 +42,4 @@ def test_a_conversation_evicted_from_hbm_comes_back_from_the_tier(tmp_path_facto
     assert metrics["deltaserve:offload_loads_total"] >= 1 and metrics["deltaserve:offload_hit_tokens_total"] >= 64
     assert metrics["deltaserve:offload_tier_hits_total{tier=host}"] >= 1  # its state image (HBM kept its KV)
     assert metrics["deltaserve:offload_tier_stored_bytes_total{tier=disk}"] > 0
-    assert metrics["deltaserve:state_checkpoints_evicted_total{kind=end_of_sequence}"] >= 1
+    assert sum(v for k, v in metrics.items() if k.startswith("deltaserve:state_checkpoints_evicted_total")) >= 1
