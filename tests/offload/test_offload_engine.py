@@ -241,26 +241,34 @@ def test_the_tier_beside_a_pd_connector_on_one_prefill_server(model_dir, tmp_pat
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_cuda_tier_outputs_equal_the_engine_without_caching(model_dir):
+def test_cuda_tier_gives_what_a_roomy_hbm_cache_gives(model_dir):
     """On a GPU: saves copy on the compute stream behind the producer fence, loads queue before the
-    forward; greedy tokens equal a CUDA engine without prefix caching (logprobs within 1e-3)."""
-    on_gpu = dict(COMMON, device="cuda", enforce_eager=True)
-    plain = LLM(model=model_dir, **{**on_gpu, "enable_prefix_caching": False})
+    forward. Against a GPU engine whose HBM holds every prefix (the same hits, from HBM), the tier's
+    tokens agree, parting only at a near-tie. (Both drift alike from the CPU: fla's float32 kernels
+    resumed from a checkpoint differ from one long prefill, up to 0.34 in a logprob on this model,
+    benchmarks/gpu_checks/offload_logprob_drift.py; the bytes a load writes are checked exactly by
+    test_rank_store's CUDA round trip.) Each turn's prompts are fixed from the roomy engine's answers."""
+    from test_parity import first_divergence
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    on_gpu = {**COMMON, "device": "cuda", "cache_memory": "64MiB", "enforce_eager": True}
+    roomy = LLM(model=model_dir, **on_gpu)
+    tier = LLM(model=model_dir, **on_gpu, **SMALL_HBM, **TIER, kv_offloading_size="64MiB")
     try:
-        want = run_sessions(plain)
-    finally:
-        plain.shutdown()
-    llm = LLM(model=model_dir, **on_gpu, **SMALL_HBM, **TIER, kv_offloading_size="64MiB")
-    try:
-        got = run_sessions(llm)
-        for turn_got, turn_want in zip(got, want, strict=True):
-            for a, b in zip(turn_got, turn_want, strict=True):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids
-                for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids,
-                                     strict=True):
-                    assert abs(la[t].logprob - lb[t].logprob) < 1e-3
-        offload = llm.get_metrics()["offload"]
+        system = random_prompts([70], 320, seed=1)[0]
+        messages = random_prompts([5 + 9 * i for i in range(SESSIONS * (TURNS + 1))], 320, seed=2)
+        prompts = [system + messages[s] for s in range(SESSIONS)]
+        parted = []
+        for turn in range(TURNS):
+            want = roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            got = tier.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            parted += [first_divergence(a, b, 1e-2) for a, b in zip(want, got, strict=True)]
+            prompts = [p + w.outputs[0].token_ids + messages[(turn + 1) * SESSIONS + s]
+                       for s, (p, w) in enumerate(zip(prompts, want, strict=True))]
+        assert sum(p is not None for p in parted) <= 1, f"first divergence per request: {parted}"
+        offload = tier.get_metrics()["offload"]
         assert offload["loads_done"] > 0 and offload["loads_failed"] == 0 and offload["saves_done"] > 0
-        assert_nothing_held(llm)
+        assert_nothing_held(tier)
     finally:
-        llm.shutdown()
+        roomy.shutdown()
+        tier.shutdown()

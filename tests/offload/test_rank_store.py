@@ -347,6 +347,10 @@ def test_fence_race_on_cuda(fenced):
     torch.cuda.synchronize()
     caches = RankCaches({0: cache}, {})
     offloader = make_offloader(caches)
+    # a first save, so that the race's save allocates nothing new: a page-locked host or a device memory
+    # allocation is an implicit synchronization (CUDA's programming guide), which would hide the race
+    assert offloader.save_kv_chunk(key(0, "kv"), [0], Fence.ready())
+    assert offloader.drain(WAIT_S) and offloader.poll() == ([key(0, "kv")], [])
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(2_000_000_000)  # about a second on current GPUs: the save is queued long before
