@@ -38,7 +38,8 @@ class KVTransferEngineSide:
         connector = KVConnectorScheduler(config, block_size, decode_context_parallel_size=decode_context_parallel_size)
         channel = None
         if config.is_producer:
-            channel = ProducerSideChannel(config.kv_ip, config.kv_port, config.engine_id, layouts, connector.streams)
+            channel = ProducerSideChannel(config.kv_ip, config.kv_port, config.engine_id, layouts, connector.streams,
+                                          connector.held)
             connector.side_channel = (channel.host, channel.port)
         logger.info("kv transfer: %s as %s (engine_id %s, backend %s)%s", config.kv_connector, config.kv_role,
                     config.engine_id, config.backend,

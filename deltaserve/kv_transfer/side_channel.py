@@ -4,7 +4,10 @@ The producer's engine core binds one ROUTER socket (kv_ip:kv_port) served by a t
 rank asks it for the producer's cache layouts (`handshake`: every producer rank's `RankLayout`,
 keyed by (pp_rank, tp_rank)), and, once its reads of a request are done, says so (`release`,
 naming the request, itself and how many consumer ranks read that request). A request is released
-when all its readers have said so; the producer's scheduler side then frees its blocks and slot.
+when all its readers have said so; the producer's scheduler side then frees its blocks and slot. The
+answer to a release says whether the request was still held: a request the producer freed after its
+transfer_timeout_s may have had its blocks reused while the consumer read them, so a consumer rank
+trusts a finished read only when the producer still held the request when the read was released.
 Under chunked transfer a consumer rank also asks for a request's `progress` while its prefill runs
 (the scheduler side's `streams` entry: tokens computed and their blocks, final params, or why not).
 """
@@ -71,10 +74,11 @@ class ProducerSideChannel(JsonServer):
     """Answers handshakes with `layouts` and collects releases; `drain_released()` takes them."""
 
     def __init__(self, host: str, port: int, engine_id: str, layouts: list[RankLayout],
-                 streams: dict[str, dict[str, Any]] | None = None) -> None:
+                 streams: dict[str, dict[str, Any]] | None = None, held: dict[str, float] | None = None) -> None:
         super().__init__(host, port, "side-channel")
         self.engine_id = engine_id
         self.streams = streams if streams is not None else {}  # the scheduler side's, read here
+        self.held = held  # the scheduler side's held requests (request id -> deadline), read here
         self._handshake = json.dumps({"engine_id": engine_id,
                                       "layouts": [layout.to_json() for layout in layouts]}).encode()
         self._readers: dict[str, set[str]] = {}
@@ -89,10 +93,13 @@ class ProducerSideChannel(JsonServer):
             request_id, reader, readers = str(message["request_id"]), str(message["reader"]), int(message["readers"])
             done = self._readers.setdefault(request_id, set())
             done.add(reader)
+            # held until this reader's release: its blocks were intact for the whole read (freed only
+            # by the last release or by the timeout, which removes the entry first)
+            held = self.held is None or request_id in self.held
             if len(done) >= readers:
                 del self._readers[request_id]
                 self._released.put(request_id)
-            return b'{"ok": true}'
+            return json.dumps({"ok": True, "held": held}).encode()
         if kind == "progress":
             progress = self.streams.get(str(message["request_id"]))
             if progress is None:

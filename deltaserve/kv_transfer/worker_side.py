@@ -307,9 +307,17 @@ class KVConnectorWorker:
             else:
                 if not done:
                     continue
+                del self._loads[request_id]
+                if not self._release(load.spec):
+                    why = ("the producer freed the request (its transfer_timeout_s passed) before this read was "
+                           "released: its blocks may have been reused while they were read")
+                    logger.warning("kv transfer: load of request %s failed: %s", request_id, why)
+                    out.failed_recving[request_id] = why
+                    continue
                 out.finished_recving.append(request_id)
                 if load.final_params is not None:
                     out.remote_params[request_id] = load.final_params
+                continue
             del self._loads[request_id]
             self._release(load.spec)
         out.loads_in_flight = len(self._loads)
@@ -317,15 +325,19 @@ class KVConnectorWorker:
         self._num_ops = self._num_staged_chunks = 0
         return out
 
-    def _release(self, spec: LoadSpec) -> None:
-        """Tells the producer this rank is done with the request (it frees it once every reader is)."""
+    def _release(self, spec: LoadSpec) -> bool:
+        """Tells the producer this rank is done with the request (it frees it once every reader is);
+        returns whether the producer still held it (False also when the producer did not answer: a
+        finished read is trusted only on its word)."""
         source = spec.source
         try:
-            ask(source.host, source.port, {"kind": "release", "request_id": source.request_id,
-                                           "reader": self.reader_name, "readers": self.parallel.world_size},
-                timeout_ms=2000)
+            reply = ask(source.host, source.port, {"kind": "release", "request_id": source.request_id,
+                                                   "reader": self.reader_name, "readers": self.parallel.world_size},
+                        timeout_ms=2000)
         except SideChannelError as e:  # the producer frees it after its own timeout
             logger.warning("kv transfer: could not release request %s on its producer: %s", source.request_id, e)
+            return False
+        return bool(reply.get("held", True))
 
     def close(self) -> None:
         if self.staging is not None:

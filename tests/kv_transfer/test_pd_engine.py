@@ -129,6 +129,30 @@ def test_a_consumer_that_never_reads_is_freed_after_the_timeout():
 
 
 @needs_mooncake
+def test_a_read_released_after_the_producers_timeout_is_not_trusted(reference, caplog):
+    """The producer freed the request (its timeout passed) and reused the blocks before the consumer
+    read them: the consumer's read completes, but the producer's answer to its release says the
+    request was no longer held, so the load fails and the prompt is recomputed (the tokens stay right)."""
+    producer = LLM(**COMMON, kv_transfer_config={"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                                                 "transfer_timeout_s": 0.3})
+    consumer = LLM(**COMMON, kv_transfer_config={"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"})
+    try:
+        ids = reference.generate([PROMPTS[1]], _greedy(1), use_tqdm=False)[0].prompt_token_ids
+        prefilled = _prefill(producer, [ids])
+        time.sleep(0.4)
+        _core(producer).poll_transfers()  # expired: its blocks and slot are free
+        assert _core(producer).kv_transfer.scheduler.num_expired == 1
+        other = reference.generate([PROMPTS[0] * 6], _greedy(1), use_tqdm=False)[0].prompt_token_ids
+        producer.generate([{"prompt_token_ids": other}], _greedy(1), use_tqdm=False)  # reuses the freed blocks
+        got = _decode(consumer, [ids], prefilled, 6)
+        _assert_same(got, reference.generate([{"prompt_token_ids": ids}], _greedy(6), use_tqdm=False))
+        assert "freed the request (its transfer_timeout_s passed) before this read was released" in caplog.text
+    finally:
+        for llm in (producer, consumer):
+            llm.llm_engine.shutdown()
+
+
+@needs_mooncake
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_producer_gone_before_the_read(reference, policy):
     config = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": policy}
