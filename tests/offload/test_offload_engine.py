@@ -191,6 +191,21 @@ def test_pipeline_parallel_stages_keep_their_own_objects(model_dir, tmp_path, re
         llm.shutdown()
 
 
+def test_decode_context_parallel_ranks_store_their_stripes(model_dir, reference):
+    """TP=2 x DCP=2 (gloo): each rank stores its stripe of every KV chunk under its own DCP id; outputs
+    equal the reference and loads come back on both ranks."""
+    llm = LLM(model=model_dir, **COMMON, **TIER, tensor_parallel_size=2, decode_context_parallel_size=2,
+              num_kv_blocks=30, max_num_seqs=4, state_checkpoint_fraction=0.001, kv_offloading_size="64MiB")
+    try:
+        assert_same(run_sessions(llm), reference)
+        offload = llm.get_metrics()["offload"]
+        assert offload["loads_done"] > 0 and offload["loads_failed"] == 0
+        assert offload["ranks"]["loads_done"] == 2 * offload["loads_done"]  # both ranks loaded each hit
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_offload_options_are_checked_at_startup(tmp_path):
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLM(model="random:tiny", device="cpu", kv_offloading_size="1GiB", enable_prefix_caching=False)
