@@ -166,3 +166,15 @@ def test_duplicates_in_flight_are_registered_and_outputs_stay_equal(model_dir):
         assert [outputs[f"{round_}-{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in reference]
     assert engine.scheduler.kv_cache_manager.pool._duplicates == {}  # released with their requests
     assert_nothing_held(llm)
+
+
+def test_a_kv_cache_smaller_than_the_context_caps_max_model_len(model_dir):
+    """num_kv_blocks=8 holds 128 tokens: longer prompts are refused at admission and generation stops
+    at the cap, instead of waiting forever for blocks that do not exist."""
+    llm = make_llm(model_dir, num_kv_blocks=8)
+    assert llm.llm_engine.core.max_model_len == 8 * BS
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        llm.generate([{"prompt_token_ids": random_prompts([200], 320, seed=9)[0]}], greedy(), use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": random_prompts([120], 320, seed=9)[0]}], greedy(30), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    assert_nothing_held(llm)

@@ -117,6 +117,7 @@ class EngineCore:
         self.kv_transfer: KVTransferEngineSide | None = None
         try:
             self._plan_caches(config, max_model_len)
+            max_model_len = self._cap_to_the_cache(config, max_model_len)
             if config.kv_transfer_config is not None:
                 self.kv_transfer = KVTransferEngineSide.start(
                     config.kv_transfer_config, self.executor.kv_layouts(), config.scheduler_block_size,
@@ -199,6 +200,17 @@ class EngineCore:
             self.kv_transfer.scheduler if self.kv_transfer is not None else None,
             self.offload,
         )
+
+    def _cap_to_the_cache(self, config: EngineConfig, max_model_len: int) -> int:
+        """max_model_len, lowered to what the whole KV cache holds when num_kv_blocks leaves less (as
+        vLLM caps it): a sequence that can never fit would otherwise wait, or preempt itself, forever."""
+        capacity = self.cache_plan.num_blocks * config.scheduler_block_size
+        if capacity >= max_model_len:
+            return max_model_len
+        logger.warning("num_kv_blocks=%d holds %d tokens: max_model_len lowered from %d to %d",
+                       self.cache_plan.num_blocks, capacity, max_model_len, capacity)
+        self.max_model_len = capacity
+        return capacity
 
     def _plan_caches(self, config: EngineConfig, max_model_len: int) -> None:
         """The cache plan every pipeline stage can hold, allocated on every rank, and the joint KDA
