@@ -37,6 +37,9 @@ class TierHit:
 
 @dataclass
 class TierIndexStats:
+    """Per lookup: a request that found a hit but waits for blocks looks (and counts) again next step;
+    the loads ordered and done are OffloadScheduler's counters."""
+
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
