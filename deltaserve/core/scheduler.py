@@ -322,8 +322,10 @@ class Scheduler:
                 record.saved.append(cp)
                 self.prefix_cache.checkpoints.publish(cp.block_hash)
                 if tier is not None and self.offload is not None:
-                    self.offload.plan_save(*tier, cp.num_tokens, cp.unit_ids, before_forward=True)
+                    self.offload.plan_save(*tier, cp.num_tokens, cp.unit_ids, before_forward=True, checkpoint=cp)
         self._saves_before_next_step = []
+        if self.offload is not None:
+            self._plan_deferred_saves(record)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -446,6 +448,22 @@ class Scheduler:
             out.new_requests.append(
                 NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params))
         return True
+
+    def _plan_deferred_saves(self, record: StepRecord) -> None:
+        """Offload tier: saves deferred at max_pending_saves, planned before this step's forward while
+        there is room, if HBM still holds their written checkpoint (pinned until this step is reported,
+        so it is not evicted before the save reads it) and every KV block up to it."""
+        assert self.offload is not None
+        pool = self.kv_cache_manager.pool
+        while (deferred := self.offload.next_deferred()) is not None:
+            cp, hashes = deferred
+            block_ids = [pool.cached_block(h) for h in hashes]
+            if not (self._still_filed(cp) and cp.written) or None in block_ids:
+                self.offload.drop_deferred()
+                continue
+            if self.offload.plan_save(hashes, block_ids, cp.num_tokens, cp.unit_ids, before_forward=True):
+                cp.pins += 1
+                record.pinned.append(cp)
 
     def _admit_tier_load(self, request: Request, hit: TierHit, hbm_hit_tokens: int, out: _StepBuilder) -> bool:
         """Offload tier: blocks and slots for a joint tier hit (HBM's blocks below hit.start_tokens,
@@ -643,7 +661,7 @@ class Scheduler:
             record.saved.append(cp)
             if self.offload is not None:  # write-through: the tier stores it after this step's saves_after
                 self.offload.plan_save(pc.block_hashes(request), self.kv_cache_manager.block_ids(request.request_id),
-                                       cp.num_tokens, cp.unit_ids, before_forward=False)
+                                       cp.num_tokens, cp.unit_ids, before_forward=False, checkpoint=cp)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int],
                            kv_output: KVConnectorOutput | None = None,

@@ -5,8 +5,10 @@ move bytes. What it keeps:
 - the TierIndex (tier_index.py) of what every rank has stored, updated when every rank reported a
   save, so a lookup never needs the ranks;
 - the saves in flight: at most `max_pending_saves` (a save is one checkpoint's state image and the
-  KV chunks before it that the tier lacks); a save planned beyond that is skipped and counted, never
-  waited for: the step loop does not wait on the tier, and a skipped save only costs a future hit;
+  KV chunks before it that the tier lacks); a save planned beyond that is deferred, never waited for
+  (the step loop does not wait on the tier): a later step stores it once a save has finished, if HBM
+  still holds the checkpoint and its KV blocks (the scheduler pins the checkpoint for that step), and
+  drops it otherwise, which only costs a future hit;
 - the orders for the coming step (`build_meta`).
 
 Write-through at save: whenever a checkpoint on the chunk grid is saved into HBM checkpoint units
@@ -21,6 +23,7 @@ again without the tier (it recomputes from its HBM hit).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +38,8 @@ from deltaserve.offload.tier_index import TierHit, TierIndex
 @dataclass
 class OffloadSchedulerStats:
     saves_planned: int = 0
-    saves_skipped: int = 0  # max_pending_saves were in flight
+    saves_skipped: int = 0  # found max_pending_saves in flight: deferred
+    saves_dropped: int = 0  # deferred, then gone from HBM (or past MAX_DEFERRED) before a slot freed
     saves_done: int = 0  # stored by every rank
     saves_failed: int = 0  # some rank did not store it
     loads_ordered: int = 0
@@ -77,6 +81,9 @@ def tier_index_for(engine_config: Any, stage_specs: Sequence[tuple[MLALatentSpec
                      kv_bytes, image_bytes)
 
 
+MAX_DEFERRED = 4096  # deferred saves kept, the oldest dropped first
+
+
 class OffloadScheduler:
     def __init__(self, index: TierIndex, max_pending_saves: int) -> None:
         if max_pending_saves < 1:
@@ -93,6 +100,8 @@ class OffloadScheduler:
         self._saves_after: list[OffloadSave] = []
         self._loads: list[OffloadLoad] = []
         self._load_hits: dict[str, tuple[TierHit, int]] = {}  # loads in flight, with the HBM hit they beat
+        # deferred saves, oldest first: the image's block hash -> (its HBM checkpoint, block hashes up to it)
+        self._deferred: OrderedDict[BlockHash, tuple[Any, list[BlockHash]]] = OrderedDict()
 
     @property
     def chunk_tokens(self) -> int:
@@ -109,11 +118,13 @@ class OffloadScheduler:
 
     # Saves -----------------------------------------------------------------------------------
     def plan_save(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], num_tokens: int,
-                  unit_ids: Sequence[int], *, before_forward: bool) -> bool:
+                  unit_ids: Sequence[int], *, before_forward: bool, checkpoint: Any = None) -> bool:
         """Store the checkpoint at `num_tokens` (a chunk-grid point; its image in checkpoint units
         `unit_ids`) and the KV chunks before it that the tier lacks, from `block_ids` (the request's
         table) in the step being scheduled: before its forward (an end-of-sequence checkpoint saved
-        by saves_before) or after it (one its saves_after writes). False when nothing was planned."""
+        by saves_before, or a deferred save) or after it (one its saves_after writes). False when
+        nothing was planned; with max_pending_saves in flight, `checkpoint` (the HBM one) is
+        deferred (`next_deferred`)."""
         if num_tokens % self.chunk_tokens:
             raise ValueError(f"an offloaded checkpoint at {num_tokens} tokens is off the {self.chunk_tokens}-token "
                              "chunk grid")
@@ -133,6 +144,12 @@ class OffloadScheduler:
             state = state_hash
         if len(self._pending) >= self.max_pending_saves:
             self.stats.saves_skipped += 1
+            if checkpoint is not None:
+                self._deferred[state_hash] = (checkpoint, list(block_hashes[:num_blocks]))
+                self._deferred.move_to_end(state_hash)
+                while len(self._deferred) > MAX_DEFERRED:
+                    self._deferred.popitem(last=False)
+                    self.stats.saves_dropped += 1
             return False
         save = OffloadSave(self._next_save_id, chunks, state, list(unit_ids) if state is not None else [])
         self._next_save_id += 1
@@ -143,6 +160,17 @@ class OffloadScheduler:
         (self._saves_before if before_forward else self._saves_after).append(save)
         self.stats.saves_planned += 1
         return True
+
+    def next_deferred(self) -> tuple[Any, list[BlockHash]] | None:
+        """The oldest deferred save (its HBM checkpoint, block hashes up to it) while a save may be
+        planned, else None. The caller plans it (`plan_save`) or drops it (`drop_deferred`)."""
+        if not self._deferred or len(self._pending) >= self.max_pending_saves:
+            return None
+        return self._deferred.popitem(last=False)[1]
+
+    def drop_deferred(self) -> None:
+        """Count a deferred save whose checkpoint or KV blocks HBM no longer holds."""
+        self.stats.saves_dropped += 1
 
     # Loads -----------------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, hbm_kv_tokens: int,
@@ -221,5 +249,6 @@ class OffloadScheduler:
                     summed[key] = max(summed.get(key, 0), value) if key == "degraded" else summed.get(key, 0) + value
             for key, value in report.get("rank", {}).items():
                 ranks[key] = ranks.get(key, 0) + value
-        return {**vars(self.stats), "pending_saves": len(self._pending), "index": self.index.snapshot(),
+        return {**vars(self.stats), "pending_saves": len(self._pending), "deferred_saves": len(self._deferred),
+                "index": self.index.snapshot(),
                 "tiers": tiers, "ranks": ranks}
