@@ -134,7 +134,7 @@ class EngineMetrics:
                                           "(the tier's share of prefix_cache_hits).")
         self.offload_saves = counter("offload_saves", "Offload tier: checkpoint saves every rank stored.")
         self.offload_saves_skipped = counter("offload_saves_skipped",
-                                             "Offload tier: saves that found max pending saves in flight (deferred to a later step).")
+                                             "Offload tier: saves that found max pending saves in flight (deferred).")
         self._last_totals: dict[str, float] = {}
 
     def _increment(self, key: str, counter: Any, total: float) -> None:
