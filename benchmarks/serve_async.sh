@@ -13,17 +13,7 @@ for mode in no-async-scheduling async-scheduling; do
   setsid $DS serve --model random:kimi-linear-48b-a3b --port $port --max-model-len 65536 --$mode \
     >"$out/serve_$mode.log" 2>&1 &
   pid=$!
-  python3 - "$port" <<'PY' || { echo "server ($mode) never became healthy"; tail -20 "$out/serve_$mode.log"; }
-import sys, time, urllib.request
-for _ in range(900):
-    try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status == 200:
-            sys.exit(0)
-    except OSError:
-        pass
-    time.sleep(1)
-sys.exit(1)
-PY
+  python3 benchmarks/wait_healthy.py "$port" || { echo "server ($mode) never became healthy"; tail -20 "$out/serve_$mode.log"; }
   $DS bench serve --base-url "http://127.0.0.1:$port" --workload agentic --concurrency 8,32 \
     --duration "$duration" --seed 0 --no-progress --out "$out/bench_serve_agentic_${day}_h200_$mode.json"
   kill -INT -- -$pid  # the launcher's whole process group

@@ -18,17 +18,7 @@ for mode in ${MODES:-off on}; do
     >"$out/serve_offload_$mode.log" 2>&1 &
   pid=$!
   started=$(date +%s)
-  python3 - "$port" <<'PY' || { echo "server ($mode) never became healthy"; tail -20 "$out/serve_offload_$mode.log"; }
-import sys, time, urllib.request
-for _ in range(900):
-    try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status == 200:
-            sys.exit(0)
-    except OSError:
-        pass
-    time.sleep(1)
-sys.exit(1)
-PY
+  python3 benchmarks/wait_healthy.py "$port" || { echo "server ($mode) never became healthy"; tail -20 "$out/serve_offload_$mode.log"; }
   echo "== tier $mode: healthy after $(( $(date +%s) - started )) s"
   $DS bench serve --base-url "http://127.0.0.1:$port" --workload agentic --concurrency "${CONCURRENCY:-32,64}" \
     --duration "$duration" --seed 0 --no-progress --out "$out/bench_serve_offload_${day}_tier_$mode.json"

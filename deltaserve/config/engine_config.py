@@ -5,6 +5,7 @@ Names follow vLLM's `LLM(...)` / `EngineArgs` so that users' code and command li
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -32,6 +33,19 @@ def parse_bytes(value: int | str | None, what: str = "cache_memory") -> int | No
     if num <= 0:
         raise ValueError(f"{what}={value!r} must be a positive number of bytes")
     return num
+
+
+def json_object(value: str | dict[str, Any], what: str) -> dict[str, Any]:
+    """An option given as JSON text or a dict (--kv-transfer-config, --speculative-config), as a dict;
+    ValueError naming `what` when it is not valid JSON or not an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 @dataclass

@@ -8,9 +8,10 @@ reading the target's hidden states; "model" holds its weights and tap layer ids)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from deltaserve.config.engine_config import json_object
 
 METHODS = ("ngram", "draft_model", "eagle3")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
@@ -59,13 +60,7 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict or its JSON text; ValueError naming what is wrong."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - _KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from deltaserve.config.engine_config import json_object
 
 CONNECTORS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}  # name -> transfer backend
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -83,13 +84,7 @@ class KVTransferConfig:
         """From the JSON text of --kv-transfer-config, a dict, or a config; ValueError names what is wrong."""
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "kv_transfer_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

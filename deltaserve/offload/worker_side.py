@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from deltaserve.offload.fence import Fence
-from deltaserve.offload.metadata import KVChunkRef, OffloadMetadata, OffloadOutput, OffloadSave
+from deltaserve.offload.metadata import OffloadMetadata, OffloadOutput, OffloadSave
 from deltaserve.offload.objects import key_namespace, object_key, worker_id
 from deltaserve.offload.rank_caches import RankCaches
 from deltaserve.offload.rank_store import RankOffloader
@@ -124,14 +124,16 @@ class OffloadWorker:
         snapshots: list[tuple[int, str, list[torch.Tensor], int]] = []
         for save in saves:
             for chunk in save.kv_chunks:
-                snapshots.append(self._snapshot_kv(save.save_id, chunk))
+                pieces = self.caches.snapshot_kv(chunk.block_ids)
+                snapshots.append((save.save_id, self.key("kv", chunk.block_hash), pieces,
+                                  self.caches.kv_chunk_bytes(len(chunk.block_ids))))
             if save.state_hash is not None:
-                pieces = self.caches.snapshot_state_units(save.unit_ids)
-                snapshots.append((save.save_id, self.key("state", save.state_hash), pieces,
-                                  self.caches.state_image_bytes))
-            self._objects_left[save.save_id] = sum(1 for s in snapshots if s[0] == save.save_id)
-            if not self._objects_left[save.save_id]:
-                del self._objects_left[save.save_id]
+                snapshots.append((save.save_id, self.key("state", save.state_hash),
+                                  self.caches.snapshot_state_units(save.unit_ids), self.caches.state_image_bytes))
+            num_objects = len(save.kv_chunks) + (save.state_hash is not None)
+            if num_objects:
+                self._objects_left[save.save_id] = num_objects
+            else:
                 self._report.saves_done.append(save.save_id)
         stream = torch.cuda.current_stream(self.caches.device) if self.caches.device.type == "cuda" else None
         fence = Fence.record(stream)  # behind the copies: the saver waits for them, not for the step
@@ -139,10 +141,6 @@ class OffloadWorker:
             self._save_of_key[key] = save_id
             if not self.offloader.save_snapshot(key, pieces, nbytes, fence):
                 self._object_reported(key, stored=False)
-
-    def _snapshot_kv(self, save_id: int, chunk: KVChunkRef) -> tuple[int, str, list[torch.Tensor], int]:
-        return (save_id, self.key("kv", chunk.block_hash), self.caches.snapshot_kv(chunk.block_ids),
-                self.caches.kv_chunk_bytes(len(chunk.block_ids)))
 
     def _object_reported(self, key: str, stored: bool) -> None:
         save_id = self._save_of_key.pop(key, None)
