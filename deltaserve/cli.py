@@ -47,6 +47,9 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
                                   help='prefill/decode disaggregation, e.g. \'{"kv_connector": "NixlConnector", '
                                        '"kv_role": "kv_producer"}\' (MooncakeConnector also; kv_role kv_consumer '
                                        'for a decode server)')),
+    ("--speculative-config", dict(default=None, metavar="JSON",
+                                  help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+                                       '3, "prompt_lookup_max": 4}\'')),
     ("--kv-offloading-size", dict(default=None, metavar="BYTES",
                                   help="offload tier in host memory, summed over the ranks, e.g. 64GiB (with "
                                        "prefix caching: KV chunks and KDA state images behind HBM)")),

@@ -110,6 +110,9 @@ class EngineConfig:
     kv_offloading_remote: str | None = None
     kv_offloading_chunk_size: int = 256
     kv_offloading_max_pending_saves: int | None = None
+    # speculative decoding (vLLM's speculative_config): a SpeculativeConfig, its JSON text or a dict, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 3}; None: every step decodes one token per request
+    speculative_config: Any = None
     parallel: ParallelConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +159,7 @@ class EngineConfig:
         self._check_parallel_options()
         self._check_node_options()
         self._check_kv_transfer()
+        self._check_speculative()
         self.parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
@@ -215,6 +219,26 @@ class EngineConfig:
         if self.offloading_enabled and not self.enable_prefix_caching:
             raise ValueError("the offload tier (kv_offloading_size / kv_offloading_disk_path / kv_offloading_remote) "
                              "stores prefix-cache KV and state checkpoints: it needs enable_prefix_caching")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config is None:
+            return
+        from deltaserve.config.speculative import SpeculativeConfig
+
+        spec = self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if spec.method != "ngram":
+            raise ValueError(f"speculative_config: method {spec.method!r} is not built yet; method 'ngram' is")
+        if self.async_scheduling:
+            # the next step's verify window starts from the tokens the previous step accepted, which the
+            # scheduler learns only when that step's output is applied
+            raise ValueError("async_scheduling=True is not supported with speculative_config: a verify step "
+                             "needs the previous step's accepted tokens before it is scheduled; set "
+                             "async_scheduling=False (or leave it unset) or drop speculative_config")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts verified per request and step (0: no speculative decoding)."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
 
     @property
     def scheduler_block_size(self) -> int:
@@ -328,7 +352,7 @@ class EngineConfig:
         whose batch queue keeps its own batches in flight)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device_type == "cuda" and self.pipeline_parallel_size == 1
+        return device_type == "cuda" and self.pipeline_parallel_size == 1 and self.speculative_config is None
 
     @classmethod
     def option_names(cls) -> list[str]:

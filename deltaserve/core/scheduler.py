@@ -53,11 +53,11 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from deltaserve.core.block_hash import BlockHash
 from deltaserve.core.checkpoint_pool import Checkpoint, CheckpointKind
 from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.prefix_cache import PrefixCache, PrefixHit
 from deltaserve.core.request import Request, RequestStatus
+from deltaserve.core.scheduler_invariants import check_scheduler_invariants
 from deltaserve.core.scheduler_output import (
     NewRequestData,
     PromptLogprobTargets,
@@ -67,6 +67,7 @@ from deltaserve.core.scheduler_output import (
     StateLoad,
     StateSave,
 )
+from deltaserve.core.spec_decode import SpecDecodeScheduling, VerifyWindow, spare_key
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.kv_transfer.metadata import KVConnectorOutput, LoadSpec, RemoteSource
 from deltaserve.kv_transfer.scheduler_side import KVConnectorScheduler
@@ -103,6 +104,7 @@ class StepRecord:
     boundaries: dict[str, int] = field(default_factory=dict)  # request id -> boundary its copy sets
     commits: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk end) to commit
     samples: set[str] = field(default_factory=set)  # requests this step samples for (a placeholder each)
+    verifies: dict[str, VerifyWindow] = field(default_factory=dict)  # speculative decoding: verify windows
 
 
 @dataclass
@@ -114,6 +116,8 @@ class StepUpdate:
     applied: set[str] = field(default_factory=set)
     # P/D consumer: requests whose load finished this step; their first token (the producer's) is new
     remote_started: list[Request] = field(default_factory=list)
+    # speculative decoding: the tokens appended per request, where a verify window appended more than one
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 def boundary_key(request_id: str) -> str:
@@ -130,8 +134,10 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         kv_connector: KVConnectorScheduler | None = None,
         offload: OffloadScheduler | None = None,
+        spec: SpecDecodeScheduling | None = None,
     ) -> None:
         self.config = config
+        self.spec = spec  # speculative decoding: drafts, verify windows, rollback
         self.kv_connector = kv_connector
         if offload is not None and prefix_cache is None:
             raise ValueError("the offload tier stores prefix-cache checkpoints: it needs prefix caching")
@@ -143,7 +149,9 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
-        self.slots_per_request = 2 if prefix_cache is not None else 1
+        # the live slot, a boundary slot with prefix caching, k spare slots for verify windows
+        self.num_spare_slots = spec.k if spec is not None else 0
+        self.slots_per_request = (2 if prefix_cache is not None else 1) + self.num_spare_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -151,6 +159,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         # (checkpoint, its save, (block hashes, block ids) for the offload tier or None)
         self._saves_before_next_step: list[tuple[Checkpoint, StateSave, tuple[list, list] | None]] = []
+        self._copies_before_next_step: list[StateCopy] = []  # speculative decoding: state rollbacks
         self._step_ids = itertools.count()
         self.num_preemptions_total = 0
         self.in_flight: OrderedDict[int, StepRecord] = OrderedDict()  # scheduled, not yet reported
@@ -297,7 +306,20 @@ class Scheduler:
         self.kv_cache_manager.free(request.request_id)
         self.state_pool.free(request.request_id)
         self.state_pool.free(boundary_key(request.request_id))
+        for index in range(1, self.num_spare_slots + 1):
+            self.state_pool.free(spare_key(request.request_id, index))
         request.boundary_num_tokens = 0
+
+    def _allocate_state(self, request: Request) -> int:
+        """The request's live slot, its boundary slot (prefix caching) and its spare slots (speculative
+        decoding); the caller checked that slots_per_request are free."""
+        slot = self.state_pool.allocate(request.request_id)
+        assert slot is not None
+        if self.prefix_cache is not None:
+            self.state_pool.allocate(boundary_key(request.request_id))
+        for index in range(1, self.num_spare_slots + 1):
+            self.state_pool.allocate(spare_key(request.request_id, index))
+        return slot
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -316,6 +338,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         record = StepRecord(next(self._step_ids))
         out = _StepBuilder()
+        copies_before, self._copies_before_next_step = self._copies_before_next_step, []
         for cp, save, tier in self._saves_before_next_step:
             if self._still_filed(cp):  # this step saves it first thing: from now on later loads may find it
                 out.saves_before.append(save)
@@ -335,7 +358,11 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            num_new, kind = self._chunk_length(request, request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget)
+            if drafts:
+                num_new, kind = 1 + len(drafts), None  # nothing is filed inside a verify window
+            else:
+                num_new, kind = self._chunk_length(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -350,7 +377,7 @@ class Scheduler:
                         break
             if table is None:
                 break
-            self._schedule_chunk(request, num_new, table, out, kind, record)
+            self._schedule_chunk(request, num_new, table, out, kind, record, drafts)
             budget -= num_new
             i += 1
 
@@ -380,9 +407,7 @@ class Scheduler:
                                                       hit.block_ids):
                 break
             self.waiting.popleft()
-            slot = self.state_pool.allocate(request.request_id)
-            if self.prefix_cache is not None:
-                self.state_pool.allocate(boundary_key(request.request_id))
+            slot = self._allocate_state(request)
             table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
             assert slot is not None and table is not None
             if reads_cache:
@@ -417,6 +442,7 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=out.preempted,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            state_copies_before=copies_before,
             state_saves_before=out.saves_before,
             state_loads=out.loads,
             state_saves_after=out.saves_after,
@@ -434,9 +460,7 @@ class Scheduler:
         if not self.kv_cache_manager.can_allocate(request.request_id, n + 1, []):
             return False
         self.waiting.popleft()
-        slot = self.state_pool.allocate(request.request_id)
-        if self.prefix_cache is not None:
-            self.state_pool.allocate(boundary_key(request.request_id))
+        slot = self._allocate_state(request)
         table = self.kv_cache_manager.allocate_slots(request.request_id, n, [])
         assert slot is not None and table is not None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -474,8 +498,7 @@ class Scheduler:
         if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens, prefix):
             return False
         self.waiting.popleft()
-        slot = self.state_pool.allocate(request.request_id)
-        self.state_pool.allocate(boundary_key(request.request_id))
+        slot = self._allocate_state(request)
         table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens, prefix)
         assert slot is not None and table is not None
         self.offload.order_load(request.request_id, hit, table, slot, hbm_hit_tokens)
@@ -584,39 +607,59 @@ class Scheduler:
             return 0
         return len(self.running) * self.kv_cache_manager.block_size
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Speculative decoding: drafts for a request ready to decode (all but its last token computed,
+        no step in flight for it); [] when it decodes plainly."""
+        if (self.spec is None or request.num_pending_outputs
+                or request.num_computed_tokens != request.num_tokens - 1 or request.num_output_tokens == 0):
+            return []
+        return self.spec.drafts(request, budget, self.config.max_model_len)
+
+    def _verify_window(self, request: Request, start: int, num_drafts: int) -> VerifyWindow:
+        spares = [self.state_pool.slot_of(spare_key(request.request_id, i)) for i in range(1, num_drafts + 1)]
+        slots = (self.state_pool.slot_of(request.request_id), *spares)
+        assert None not in slots
+        return VerifyWindow(start, slots, self.state_pool.slot_of(boundary_key(request.request_id)))
+
     def _schedule_chunk(
         self, request: Request, num_new: int, table: list[int], out: _StepBuilder, kind: CheckpointKind | None,
-        record: StepRecord,
+        record: StepRecord, drafts: list[int] | None = None,
     ) -> None:
+        """Put tokens [computed, computed + num_new) of the request on the step; with drafts, its verify
+        window (the last known token, then the drafts)."""
         start = request.num_computed_tokens
         end = start + num_new
         slot = self.state_pool.slot_of(request.request_id)
         assert slot is not None
         sent = self._sent_blocks.get(request.request_id)
         self._sent_blocks[request.request_id] = len(table)
+        window = self._verify_window(request, start, len(drafts)) if drafts else None
         out.chunks.append(
             ScheduledChunk(
                 request_id=request.request_id,
-                token_ids=request.token_slice(start, end),
+                token_ids=request.token_slice(start, start + 1) + drafts if drafts else request.token_slice(start, end),
                 num_computed_tokens=start,
                 new_block_ids=table[sent or 0:],
                 table_reset=sent is None,
                 state_slot=slot,
-                sample=end == request.num_tokens_with_pending,
+                sample=end == request.num_tokens_with_pending or window is not None,
                 num_output_tokens=request.num_output_tokens + request.num_pending_outputs,
                 prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
+                verify_state_slots=window.slots if window is not None else (),
             )
         )
-        if end == request.num_tokens_with_pending:
+        if end == request.num_tokens_with_pending or window is not None:
             request.num_pending_outputs += 1
             record.samples.add(request.request_id)
-        request.num_computed_tokens = end
+        request.num_computed_tokens = end  # a verify window's is set again by its accept count
         record.lives[request.request_id] = request.num_preemptions
+        if window is not None:
+            record.verifies[request.request_id] = window
         pc = self.prefix_cache
         if pc is None:
             return
-        record.commits.append((request, end))
-        if end % pc.grid:
+        record.commits.append((request, start + 1 if window is not None else end))  # drafts are never committed
+        if window is not None or end % pc.grid:
             return
         if kind is not None:
             cp = pc.file(request, end, kind)
@@ -665,10 +708,13 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int],
                            kv_output: KVConnectorOutput | None = None,
-                           offload_output: OffloadOutput | None = None) -> StepUpdate:
+                           offload_output: OffloadOutput | None = None,
+                           extra_tokens: dict[str, list[int]] | None = None) -> StepUpdate:
         """After the step ran (steps are reported in the order they were scheduled): unpin what it
         loaded, mark what it saved written, append each sampled token of a request still in the life
-        it was scheduled in, and finish requests that hit a stop condition."""
+        it was scheduled in, and finish requests that hit a stop condition. A verify window's further
+        accepted tokens come in `extra_tokens` (after its first, in `sampled`); its state rollback goes
+        on the next step."""
         oldest = next(iter(self.in_flight), None)
         if oldest != scheduler_output.step_id:
             raise ValueError(f"step {scheduler_output.step_id} reported, but the oldest step in flight is {oldest}")
@@ -698,65 +744,34 @@ class Scheduler:
             if request.num_preemptions != record.lives.get(chunk.request_id):
                 continue  # a late output of the request's life before a preemption
             request.num_pending_outputs -= 1
-            request.output_token_ids.append(sampled[chunk.request_id])
+            tokens = [sampled[chunk.request_id]]
+            window = record.verifies.get(chunk.request_id)
+            if window is not None:
+                assert self.spec is not None
+                tokens += (extra_tokens or {}).get(chunk.request_id, [])
+                self._copies_before_next_step += self.spec.rollback(request, window, len(tokens))
+                update.new_tokens[chunk.request_id] = appended = []
             update.applied.add(chunk.request_id)
-            if pc is not None:  # blocks a placeholder completed: their hashes are known now
-                self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request), request.num_computed_tokens)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                update.finished.append(request)
+            for token in tokens:
+                request.output_token_ids.append(token)
+                if window is not None:
+                    appended.append(token)
+                if pc is not None:  # blocks a placeholder completed: their hashes are known now
+                    self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request),
+                                                 request.num_computed_tokens)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    update.finished.append(request)
+                    break
         return update
 
     # Invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError unless every KV block, state slot, checkpoint unit and pin is
         accounted for: the tests and the fuzzer call this after every step."""
-        kv = self.kv_cache_manager
-        held: dict[int, int] = {}
-        transfers = {**self.remote_waiting, **self._abandoned_loads, **self.held_for_transfer, **self.tier_waiting}
-        for request_id, table in kv._tables.items():
-            request = self.requests.get(request_id) or transfers.get(request_id)
-            assert request is not None and (request.status == RequestStatus.RUNNING or request_id in transfers), \
-                f"{request_id} holds KV blocks but is not running"
-            for block in table:
-                held[block] = held.get(block, 0) + 1
-        kv.pool.check_invariants(held)
-        holders = [r.request_id for r in self.running] + list(transfers)
-        expected_owners = set(holders)
-        if self.prefix_cache is not None:
-            expected_owners |= {boundary_key(r) for r in holders}
-        owners = set(self.state_pool._owner)
-        assert owners == expected_owners, f"state slots held by {sorted(owners ^ expected_owners)} (running or not)"
-        slots = list(self.state_pool._owner.values()) + self.state_pool._free
-        assert sorted(slots) == list(range(self.state_pool.num_slots)), "a state slot is lost or held twice"
-        assert all(r.status == RequestStatus.RUNNING for r in self.running)
-        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
-        assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.remote_waiting.values())
-        assert all(r.status == RequestStatus.WAITING_FOR_TIER_LOAD for r in self.tier_waiting.values())
-        assert len(self.requests) == (len(self.running) + len(self.waiting) + len(self.remote_waiting)
-                                      + len(self.tier_waiting)), \
-            "a request is neither running nor waiting"
-        for request in self.requests.values():
-            pending = sum(request.request_id in r.samples and r.lives[request.request_id] == request.num_preemptions
-                          for r in self.in_flight.values())
-            assert request.num_pending_outputs == pending, \
-                f"{request.request_id}: {request.num_pending_outputs} placeholders, {pending} sampling steps in flight"
-        for request_id, sent in self._sent_blocks.items():
-            assert request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING
-            assert sent <= len(kv.block_ids(request_id)), f"{request_id}: more block ids sent than it holds"
-        pc = self.prefix_cache
-        if pc is None:
-            return
-        pins: dict[BlockHash, int] = {}
-        for record in self.in_flight.values():
-            for cp in record.pinned:
-                pins[cp.block_hash] = pins.get(cp.block_hash, 0) + 1
-        pc.checkpoints.check_invariants(pins)
-        for h, cp in pc.checkpoints._lru.items():
-            if cp.visible:
-                assert kv.pool.cached_block(h) is not None, f"checkpoint at {cp.num_tokens} tokens is unreachable"
+        check_scheduler_invariants(self)
 
 
 class _StepBuilder:

@@ -59,6 +59,13 @@ class ScheduledChunk:
     sample: bool  # the chunk reaches the last known token: sample the next one
     num_output_tokens: int  # tokens generated so far, placeholders included (seeds per-request sampling)
     prompt_logprob_targets: PromptLogprobTargets | None = None  # set only for requests with prompt_logprobs
+    # speculative decoding: a verify window (the last known token, then drafts) writes the state after
+    # token t into slot verify_state_slots[t] (the first is state_slot); () for any other chunk
+    verify_state_slots: tuple[int, ...] = ()
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.verify_state_slots)
 
     @property
     def num_tokens(self) -> int:
@@ -97,8 +104,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # workers drop what they keep for these
     preempted_request_ids: list[str] = field(default_factory=list)  # and their block tables for these
     num_scheduled_tokens: int = 0
-    # KDA state traffic, in the order the worker runs it: saves_before and loads before the forward,
-    # saves_after and copies_after after it
+    # KDA state traffic, in the order the worker runs it: copies_before (speculative decoding's rollbacks),
+    # saves_before and loads before the forward, saves_after and copies_after after it
+    state_copies_before: list[StateCopy] = field(default_factory=list)
     state_saves_before: list[StateSave] = field(default_factory=list)
     state_loads: list[StateLoad] = field(default_factory=list)
     state_saves_after: list[StateSave] = field(default_factory=list)
@@ -114,6 +122,6 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunks or self.finished_request_ids or self.state_saves_before
+        return not (self.chunks or self.finished_request_ids or self.state_saves_before or self.state_copies_before
                     or self.kv_connector_metadata is not None or self.poll_kv_connector
                     or self.offload_metadata is not None or self.poll_offload)

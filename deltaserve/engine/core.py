@@ -28,11 +28,13 @@ from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig, StepUpdate
 from deltaserve.core.scheduler_output import SchedulerOutput
+from deltaserve.core.spec_decode import SpecDecodeScheduling, spec_decode_metrics
 from deltaserve.core.stage_specs import model_wide_specs, plan_stage_caches
 from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.kv_transfer.engine_side import KVTransferEngineSide
 from deltaserve.offload.scheduler_side import OffloadScheduler, tier_index_for
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.spec.ngram_proposer import NgramProposer
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, StepPromptLogprobs, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ class EngineCore:
         """The KV manager, the prefix cache and the scheduler over the planned caches."""
         kv_spec, state_spec = self.model_kv_spec, self.model_state_spec
         caching = config.enable_prefix_caching
-        slots_per_seq = 2 if caching else 1  # prefix caching: a boundary slot beside the live one
+        slots_per_seq = self._slots_per_seq(config)
         kv_manager = KVCacheManager(kv_spec, self.cache_plan.num_blocks, enable_prefix_caching=caching)
         self.prefix_cache: PrefixCache | None = None
         if caching:
@@ -191,15 +193,34 @@ class EngineCore:
                 max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots // slots_per_seq),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_model_len,
-                # only the last stage knows a sampled token: under PP a decode waits for it
-                decode_ahead=config.pipeline_parallel_size == 1,
+                # only the last stage knows a sampled token: under PP a decode waits for it; so does a
+                # verify window, for the tokens the previous one accepted
+                decode_ahead=config.pipeline_parallel_size == 1 and config.speculative_config is None,
             ),
             kv_manager,
             StateSlotPool(self.cache_plan.num_state_slots),
             self.prefix_cache,
             self.kv_transfer.scheduler if self.kv_transfer is not None else None,
             self.offload,
+            self._spec_scheduling(config),
         )
+
+    @staticmethod
+    def _slots_per_seq(config: EngineConfig) -> int:
+        """State slots a running request holds: its live slot, a boundary slot with prefix caching (the
+        state at the last block boundary decode crossed), k spares with speculative decoding."""
+        return (2 if config.enable_prefix_caching else 1) + config.num_speculative_tokens
+
+    def _spec_scheduling(self, config: EngineConfig) -> SpecDecodeScheduling | None:
+        """Speculative decoding's scheduler side, or None (off, or a P/D producer, which never speculates:
+        its requests end after their first token)."""
+        spec = config.speculative_config
+        if spec is None or (config.kv_transfer_config is not None and config.kv_transfer_config.is_producer):
+            return None
+        ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        grid = self.prefix_cache.grid if self.prefix_cache is not None else None
+        return SpecDecodeScheduling(spec.num_speculative_tokens,
+                                    lambda request, n: ngram.propose(request.all_token_ids, n), grid)
 
     def _cap_to_the_cache(self, config: EngineConfig, max_model_len: int) -> int:
         """max_model_len, lowered to what the whole KV cache holds when num_kv_blocks leaves less (as
@@ -220,7 +241,7 @@ class EngineCore:
         self.model_kv_spec, self.model_state_spec = model_wide_specs(self.stage_specs)
         plan, joint = plan_stage_caches(
             self.executor.stage_cache_bytes(), self.stage_specs, config.max_num_seqs, max_model_len,
-            slots_per_seq=2 if caching else 1,
+            slots_per_seq=self._slots_per_seq(config),
             checkpoint_fraction=config.state_checkpoint_fraction if caching else 0.0,
             checkpoint_unit_bytes=config.state_checkpoint_unit_bytes,
         )
@@ -353,7 +374,8 @@ class EngineCore:
         if runner_output.offload_output is not None and runner_output.offload_output.stats:
             self.offload_rank_stats.update(runner_output.offload_output.stats)
         update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request(),
-                                                   runner_output.kv_connector_output, runner_output.offload_output)
+                                                   runner_output.kv_connector_output, runner_output.offload_output,
+                                                   runner_output.extra_token_ids)
         finished = {r.request_id: r for r in update.finished}
         if self.kv_transfer is not None and self.kv_transfer.scheduler.streams:
             self._publish_progress(scheduler_output)
@@ -369,9 +391,10 @@ class EngineCore:
             request = finished.get(request_id) or self.scheduler.get_request(request_id)
             if request is None:
                 continue
-            self._record_token(stats, request, timing, now)
+            new_token_ids = update.new_tokens.get(request_id, [token_id])
+            self._record_token(stats, request, timing, now, len(new_token_ids))
             out = EngineCoreOutput(
-                request_id, [token_id], [lp] if lp is not None else None, prompt_logprobs.pop(request_id, None),
+                request_id, new_token_ids, [lp] if lp is not None else None, prompt_logprobs.pop(request_id, None),
                 num_cached_tokens=request.num_cached_tokens or 0,
             )
             if request_id in finished:
@@ -435,8 +458,9 @@ class EngineCore:
         return outputs
 
     @staticmethod
-    def _record_token(stats: IterationStats, request: Request, timing: _Timing, now: float) -> None:
-        stats.num_generation_tokens += 1
+    def _record_token(stats: IterationStats, request: Request, timing: _Timing, now: float,
+                      num_tokens: int = 1) -> None:
+        stats.num_generation_tokens += num_tokens
         if timing.last_token_time is None:
             stats.num_prompt_tokens += request.num_prompt_tokens
             stats.time_to_first_tokens.append(now - timing.arrival_time)
@@ -495,6 +519,8 @@ class EngineCore:
         if self.offload is not None:
             metrics["offload"] = {**self.offload.snapshot(self.offload_rank_stats),
                                   "loading_requests": len(self.scheduler.tier_waiting)}
+        if self.scheduler.spec is not None:
+            metrics["spec_decode"] = spec_decode_metrics(self.scheduler.spec.stats)
         pc = self.prefix_cache
         if pc is not None:
             stats = dataclasses.asdict(pc.stats)

@@ -30,8 +30,11 @@ class PrefillSequence:
 class ForwardContext:
     """Metadata of one forward step.
 
-    Shapes: T = tokens in the step, D = decoding sequences (their tokens are rows [0, D)),
-    P = prefill chunks (rows [D, T)).
+    Shapes: T = tokens in the step, D = decoding sequences (their tokens are rows [0, D)), then
+    speculative decoding's verify windows (V of them, rows [D, D + num_verify_tokens)), then the
+    prefill chunks (rows [D + num_verify_tokens, T)). MLA computes a verify window as a prefill chunk
+    with context (it is among `prefill_sequences`, first); KDA keeps the state after each of its
+    tokens (`verify_state_indices`).
     """
 
     num_tokens: int
@@ -41,11 +44,11 @@ class ForwardContext:
     decode_state_slots: torch.Tensor  # [D] long
     decode_block_tables: torch.Tensor  # [D, max_blocks] long (padded)
     decode_seq_lens: torch.Tensor  # [D] long: cached tokens including the new one
-    # prefill chunks
-    prefill_cu_seqlens: torch.Tensor  # [P + 1] long, relative to row D
+    # prefill chunks (for KDA, P of them: verify windows excluded)
+    prefill_cu_seqlens: torch.Tensor  # [P + 1] long, relative to row D + num_verify_tokens
     prefill_state_slots: torch.Tensor  # [P] long
     prefill_has_initial_state: torch.Tensor  # [P] bool
-    prefill_sequences: tuple[PrefillSequence, ...]
+    prefill_sequences: tuple[PrefillSequence, ...]  # MLA's: the verify windows, then the P prefill chunks
     # an upper bound on decode_seq_lens known on the host (CUDA graphs: the model's context), so the MLA
     # decode kernel picks its split count without reading seq_lens back; None: the kernel finds it
     decode_max_seq_len: int | None = None
@@ -54,10 +57,22 @@ class ForwardContext:
     # decode context parallelism: this rank's stripe of every sequence's latents (None: no DCP); the
     # slot mapping already holds local slots, and MLA decodes over dcp.local_seq_lens(decode_seq_lens)
     dcp: DCPLayout | None = None
+    # speculative decoding's verify windows: their lengths on the host, [V + 1] offsets relative to row
+    # D, and [V, max length] slots (the state after token t of window n goes to slot [n, t])
+    num_verify_tokens: int = 0
+    verify_seq_lens: tuple[int, ...] = ()
+    verify_cu_seqlens: torch.Tensor | None = None
+    verify_state_indices: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:
+        """Chunks MLA computes as prefills: verify windows included."""
         return len(self.prefill_sequences)
+
+    @property
+    def num_kda_prefills(self) -> int:
+        """Prefill chunks proper (KDA runs verify windows apart)."""
+        return len(self.prefill_sequences) - len(self.verify_seq_lens)
 
 
 _current: ForwardContext | None = None

@@ -1,5 +1,5 @@
 """KDA verify steps with rollback: the state after each verified token in its own pool slot (torch
-references; not wired into the model yet).
+references, which the KDA layer runs for verify windows off fla; `ops/kda/dispatch.kda_verify`).
 
 A verify step runs a request's last token and its k drafts, T = k + 1 tokens. Instead of rewinding a
 recurrent state (impossible) or recomputing the accepted tokens, it keeps one state per position: the
@@ -90,3 +90,60 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
             conv_state_pool.index_copy_(0, slots[:, i], conv_state_pool.index_select(0, slots[:, i - 1]))
         outputs.append(causal_conv1d_decode(x[:, i], weight, conv_state_pool, slots[:, i], activation))
     return torch.stack(outputs, dim=1)
+
+
+def _groups_by_length(seq_lens: list[int]) -> dict[int, list[int]]:
+    """Sequence indices grouped by their length (each group runs as one [N, T] batch)."""
+    groups: dict[int, list[int]] = {}
+    for index, length in enumerate(seq_lens):
+        groups.setdefault(length, []).append(index)
+    return groups
+
+
+def _rows_of(starts: list[int], members: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """[len(members) * length] long: the flat rows of those sequences, sequence-major."""
+    rows = [starts[m] + t for m in members for t in range(length)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def recurrent_kda_verify_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, scale: float, state_pool: torch.Tensor,
+                                seq_lens: list[int], state_indices: torch.Tensor) -> torch.Tensor:
+    """`recurrent_kda_verify` over verify windows packed back to back, each starting from its first slot.
+
+    Args:
+        q, k, g: [T, H, K] (activated as for `recurrent_kda_verify`). v: [T, H, V]. beta: [T, H].
+        seq_lens: the N windows' lengths on the host (they sum to T).
+        state_indices: [N, max(seq_lens)] long; row n's first seq_lens[n] entries are its slots.
+    Returns:
+        o: [T, H, V] in q's dtype.
+    """
+    starts = [sum(seq_lens[:n]) for n in range(len(seq_lens))]
+    o = q.new_empty(v.shape)
+    for length, members in _groups_by_length(seq_lens).items():
+        rows = _rows_of(starts, members, length, q.device)
+        pick = torch.tensor(members, dtype=torch.long, device=state_indices.device)
+        indices = state_indices.index_select(0, pick)[:, :length]
+        ones = torch.ones(len(members), dtype=torch.long, device=state_indices.device)
+        shaped = [t.index_select(0, rows).view(len(members), length, *t.shape[1:]) for t in (q, k, v, g, beta)]
+        out = recurrent_kda_verify(*shaped, scale, state_pool, indices, ones)
+        o.index_copy_(0, rows, out.reshape(-1, *o.shape[1:]).to(o.dtype))
+    return o
+
+
+def causal_conv1d_verify_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                                seq_lens: list[int], state_indices: torch.Tensor,
+                                activation: str | None = "silu") -> torch.Tensor:
+    """`causal_conv1d_verify` over verify windows packed back to back: x [T, D] -> y [T, D]; seq_lens
+    and state_indices as for `recurrent_kda_verify_varlen`."""
+    starts = [sum(seq_lens[:n]) for n in range(len(seq_lens))]
+    y = x.new_empty(x.shape)
+    for length, members in _groups_by_length(seq_lens).items():
+        rows = _rows_of(starts, members, length, x.device)
+        pick = torch.tensor(members, dtype=torch.long, device=state_indices.device)
+        indices = state_indices.index_select(0, pick)[:, :length]
+        ones = torch.ones(len(members), dtype=torch.long, device=state_indices.device)
+        out = causal_conv1d_verify(x.index_select(0, rows).view(len(members), length, -1), weight,
+                                   conv_state_pool, indices, ones, activation)
+        y.index_copy_(0, rows, out.reshape(-1, x.shape[1]))
+    return y

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,10 +34,12 @@ from deltaserve.model.forward_context import ForwardContext, PrefillSequence, se
 from deltaserve.model.kimi_linear import IntermediateTensors, KimiLinearForCausalLM
 from deltaserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, step_seed
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.spec.rejection_sampler import RejectionOutput
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.prompt_logprobs import PromptLogprobPlan, prompt_logprob_tensors
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
+from deltaserve.worker.spec_verify import DraftVerifier, verified_tokens, verify_context, verify_host_arrays
 from deltaserve.worker.state_store import StateCheckpointStore
 
 
@@ -77,6 +79,8 @@ class PreparedStep:
     prompt_plan: PromptLogprobPlan  # the rows whose prompt logprobs are asked for, host side
     prompt_rows: torch.Tensor  # [R] long: their flat rows
     prompt_targets: torch.Tensor  # [R] long: the prompt token each row gives the logprob of
+    verify_chunks: list[ScheduledChunk]  # speculative decoding's verify windows, in row order
+    verify_rows: torch.Tensor  # [sum of their lengths] long: their rows
 
 
 @dataclass
@@ -89,6 +93,8 @@ class StepResult:
     sampled: SamplerOutput | None
     prompt_plan: PromptLogprobPlan
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+    verify_chunks: list[ScheduledChunk] = field(default_factory=list)
+    verified: RejectionOutput | None = None  # the verify windows' accepted tokens
 
 
 class ModelRunner:
@@ -105,6 +111,7 @@ class ModelRunner:
         self.dcp_pad_slot = 0  # under DCP, where other ranks' tokens are written: set by the worker
         self.device = device
         self.sampler = Sampler()
+        self.verifier = DraftVerifier()
         self.sampling_params: dict[str, SamplingParams] = {}
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
         self.offload: Any = None  # the offload tier's rank side (offload/worker_side.py), when it is on
@@ -123,10 +130,11 @@ class ModelRunner:
         placeholders read the ids the previous step sampled."""
         tables = self.block_tables
         decodes = [c for c in scheduler_output.chunks if is_decode(c)]
-        prefills = [c for c in scheduler_output.chunks if not is_decode(c)]
-        rows = [tables.apply(c) for c in decodes + prefills]
+        verifies = [c for c in scheduler_output.chunks if c.is_verify]
+        prefills = [c for c in scheduler_output.chunks if not (is_decode(c) or c.is_verify)]
+        rows = [tables.apply(c) for c in decodes + verifies + prefills]
         self._grow_last_sampled()
-        host, sample_chunks, prompt_plan = self._host_arrays(decodes, prefills, rows)
+        host, sample_chunks, prompt_plan = self._host_arrays(decodes, verifies, prefills, rows)
         dev = to_device(self.device, host)
 
         tables.write_pending(dev["new_block_index"], dev["new_block_ids"])  # before any gather below
@@ -138,9 +146,9 @@ class ModelRunner:
         # [T] each token's chunk; output_size keeps repeat_interleave from reading the total back
         chunk_of_token = torch.repeat_interleave(dev["chunk_lens"], output_size=num_tokens)
         positions = torch.arange(num_tokens, device=self.device) + dev["position_offsets"][chunk_of_token]
-        prefill_sequences: list[PrefillSequence] = []
+        prefill_sequences: list[PrefillSequence] = []  # MLA's: verify windows first
         start = nd
-        for chunk, row in zip(prefills, rows[nd:], strict=True):
+        for chunk, row in zip(verifies + prefills, rows[nd:], strict=True):
             n = chunk.num_tokens
             needed = -(-(chunk.num_computed_tokens + n) // bs)
             prefill_sequences.append(PrefillSequence(start, n, chunk.num_computed_tokens, tables.blocks(row, needed)))
@@ -159,9 +167,10 @@ class ModelRunner:
             prefill_sequences=tuple(prefill_sequences),
             prefill_cu_seqlens_cpu=torch.tensor(host["prefill_cu_seqlens"], dtype=torch.long),
             dcp=self.dcp,
+            **verify_context(verifies, dev),
         )
         return PreparedStep(input_ids, ctx, dev["sample_rows"], dev["sample_table_rows"], sample_chunks,
-                            prompt_plan, dev["prompt_rows"], dev["prompt_targets"])
+                            prompt_plan, dev["prompt_rows"], dev["prompt_targets"], verifies, dev["verify_rows"])
 
     def _slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """rows, positions: [T] long on the device -> [T] long, each token's KV slot on this rank (under
@@ -171,19 +180,20 @@ class ModelRunner:
         block_ids = self.block_tables.device_table[rows, positions // self.block_size]
         return self.dcp.slot_mapping(block_ids, positions, self.dcp_pad_slot)
 
-    def _host_arrays(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], rows: list[int],
+    def _host_arrays(self, decodes: list[ScheduledChunk], verifies: list[ScheduledChunk],
+                     prefills: list[ScheduledChunk], rows: list[int],
                      ) -> tuple[dict[str, list[int]], list[ScheduledChunk], PromptLogprobPlan]:
         """The step's integers, for one transfer: token ids [T] (placeholders left in), per chunk its
         length, table row and position offset [C], per-sequence metadata, where the placeholders,
-        sampled rows and prompt-logprob rows are, and the block ids new to the tables. Also the chunks
-        that sample, in order, and the prompt-logprob plan."""
+        sampled rows, verify rows and prompt-logprob rows are, and the block ids new to the tables. Also
+        the chunks that sample plainly (verify windows apart), in order, and the prompt-logprob plan."""
         host: dict[str, list[int]] = {name: [] for name in (
             "input_ids", "chunk_lens", "position_offsets", "sample_rows", "sample_table_rows",
-            "placeholder_at", "placeholder_rows")}
+            "placeholder_at", "placeholder_rows", "verify_rows")}
         host["chunk_rows"] = rows  # decodes first: its first D entries are the decode rows
         sample_chunks: list[ScheduledChunk] = []
         prompt_plan = PromptLogprobPlan()
-        for chunk, row in zip(decodes + prefills, rows, strict=True):
+        for chunk, row in zip(decodes + verifies + prefills, rows, strict=True):
             start, n = len(host["input_ids"]), chunk.num_tokens
             host["input_ids"].extend(chunk.token_ids)
             host["chunk_lens"].append(n)
@@ -198,7 +208,9 @@ class ModelRunner:
                     )
                 host["placeholder_at"].append(start + n - 1)
                 host["placeholder_rows"].append(row)
-            if chunk.sample:
+            if chunk.is_verify:  # every row: its logits verify the drafts, the last gives the bonus token
+                host["verify_rows"].extend(range(start, start + n))
+            elif chunk.sample:
                 host["sample_rows"].append(start + n - 1)
                 host["sample_table_rows"].append(row)
                 sample_chunks.append(chunk)
@@ -215,6 +227,7 @@ class ModelRunner:
         host["prefill_cu_seqlens"] = cu
         host["prefill_state_slots"] = [c.state_slot for c in prefills]
         host["prefill_has_initial_state"] = [int(c.num_computed_tokens > 0) for c in prefills]
+        host.update(verify_host_arrays(verifies))
         return host, sample_chunks, prompt_plan
 
     @torch.inference_mode()
@@ -232,6 +245,7 @@ class ModelRunner:
         dropped = scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids
         self.block_tables.drop(dropped)
         self._has_sampled.difference_update(dropped)
+        self._copy_states(scheduler_output)
         if self.state_store is not None:
             offload = self.offload
             between = None if offload is None else lambda: offload.before_forward(scheduler_output.offload_metadata)
@@ -245,6 +259,14 @@ class ModelRunner:
             output = _runner_output(result, {name: t.tolist() for name, t in tensors.items()})  # the host sync
             return AsyncModelRunnerOutput.ready(output) if non_block else output
         return AsyncModelRunnerOutput(_copy_to_host(result, tensors))
+
+    def _copy_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Speculative decoding's rollbacks, before anything else reads a slot: the state a verify
+        window accepted, from its spare slot into the live one (and into the boundary slot)."""
+        for copy in scheduler_output.state_copies_before:
+            for layer in self.model.kda_layers():
+                for pool in (layer.conv_state, layer.recurrent_state):
+                    pool[copy.dst_slot].copy_(pool[copy.src_slot])
 
     def _after_forward_state(self, scheduler_output: SchedulerOutput) -> None:
         """The step's checkpoint saves and copies after the forward, then the offload tier's saves of them."""
@@ -275,8 +297,14 @@ class ModelRunner:
             prompt = prompt_logprob_tensors(rows[step.prompt_rows], to_logits, step.prompt_targets,
                                             step.prompt_plan.max_num_logprobs)
         self._after_forward_state(scheduler_output)
+        verified = None
+        if step.verify_chunks:
+            verified = self.verifier(step.verify_chunks, to_logits(rows[step.verify_rows]),
+                                     [self.sampling_params[c.request_id] for c in step.verify_chunks])
         if not step.sample_chunks:
-            return StepResult([], [], None, step.prompt_plan, prompt) if prompt is not None else None
+            if prompt is None and verified is None:
+                return None
+            return StepResult([], [], None, step.prompt_plan, prompt, step.verify_chunks, verified)
         params = [self.sampling_params[c.request_id] for c in step.sample_chunks]
         seeds = [
             None if p.seed is None else step_seed(p.seed, c.num_output_tokens)
@@ -287,7 +315,7 @@ class ModelRunner:
         # the next step's placeholders for these requests read their ids from here, on the device
         self.last_sampled.index_copy_(0, step.sample_table_rows, sampled.sampled_token_ids)
         self._has_sampled.update(c.request_id for c in step.sample_chunks)
-        return StepResult(step.sample_chunks, params, sampled, step.prompt_plan, prompt)
+        return StepResult(step.sample_chunks, params, sampled, step.prompt_plan, prompt, step.verify_chunks, verified)
 
     def _stage_forward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """This stage's forward (inside the step's forward context): token ids [T] (first stage) or the
@@ -331,6 +359,8 @@ def _output_tensors(result: StepResult) -> dict[str, torch.Tensor]:
             tensors["logprobs"] = sampled.logprobs
     if result.prompt_logprobs is not None:
         tensors["prompt_ints"], tensors["prompt_values"] = result.prompt_logprobs
+    if result.verified is not None:  # [V, K + 2]: the window's tokens, then how many are valid
+        tensors["verified"] = torch.cat([result.verified.token_ids, result.verified.num_tokens.view(-1, 1)], dim=1)
     return tensors
 
 
@@ -363,5 +393,13 @@ def _runner_output(result: StepResult, host: dict[str, list]) -> ModelRunnerOutp
     prompt = {}
     if "prompt_ints" in host:
         prompt = result.prompt_plan.outputs(host["prompt_ints"], host["prompt_values"])
-    return ModelRunnerOutput([c.request_id for c in result.sample_chunks], [row[0] for row in ints], logprobs,
-                             prompt)
+    request_ids, sampled = [c.request_id for c in result.sample_chunks], [row[0] for row in ints]
+    extra = {}
+    if "verified" in host:  # a window's first token goes with the plain samples, the rest apart
+        for request_id, tokens in verified_tokens(result.verify_chunks, host["verified"]).items():
+            request_ids.append(request_id)
+            sampled.append(tokens[0])
+            logprobs.append(None)
+            if len(tokens) > 1:
+                extra[request_id] = tokens[1:]
+    return ModelRunnerOutput(request_ids, sampled, logprobs, prompt, extra_token_ids=extra)

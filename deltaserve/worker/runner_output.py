@@ -37,6 +37,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, StepPromptLogprobs] = field(default_factory=dict)
     kv_connector_output: Any = None  # P/D: kv_transfer.metadata.KVConnectorOutput, loads finished or failed
     offload_output: Any = None  # offload tier: offload.metadata.OffloadOutput, saves and loads finished
+    # speculative decoding: a verify window's accepted tokens after its first (which is in sampled_token_ids)
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def sampled_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))

@@ -19,8 +19,9 @@ from deltaserve.distributed import tp_all_reduce
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear, sharded_param
 from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
-from deltaserve.ops.kda import KDAGate, kda_decode, kda_prefill
+from deltaserve.ops.kda import KDAGate, kda_decode, kda_prefill, kda_verify
 from deltaserve.ops.norm import gated_rms_norm
+from deltaserve.spec.state_rollback import causal_conv1d_verify_varlen
 
 
 class KimiDeltaAttention(nn.Module):
@@ -66,16 +67,23 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, hidden] -> [T, hidden], summed over the TP group (every TP rank runs it)."""
         ctx = get_forward_context()
         num_decodes = ctx.num_decodes
+        verify = slice(num_decodes, num_decodes + ctx.num_verify_tokens)
+        first_prefill_row = verify.stop
         mixed = self.qkv_proj(x)
-        # decode rows first, then prefill rows: each part is computed on its own rows and joined
+        # decode rows first, then verify windows, then prefill rows: each part on its own rows, joined
         conv_parts = []
         if num_decodes:
             conv_parts.append(causal_conv1d_decode(
                 mixed[:num_decodes], self.qkv_conv_weight, self.conv_state, ctx.decode_state_slots
             ))
-        if ctx.num_prefills:
+        if ctx.num_verify_tokens:
+            conv_parts.append(causal_conv1d_verify_varlen(
+                mixed[verify], self.qkv_conv_weight, self.conv_state, list(ctx.verify_seq_lens),
+                ctx.verify_state_indices,
+            ))
+        if ctx.num_kda_prefills:
             conv_parts.append(causal_conv1d_prefill(
-                mixed[num_decodes:],
+                mixed[first_prefill_row:],
                 self.qkv_conv_weight,
                 ctx.prefill_cu_seqlens,
                 self.conv_state,
@@ -96,8 +104,13 @@ class KimiDeltaAttention(nn.Module):
                 q[d], k[d], v[d], g[d], beta[d], self.scale, self.recurrent_state, ctx.decode_state_slots,
                 gate=gate_params,
             ))
-        if ctx.num_prefills:
-            p = slice(num_decodes, None)
+        if ctx.num_verify_tokens:
+            kda_parts.append(kda_verify(
+                q[verify], k[verify], v[verify], g[verify], beta[verify], self.scale, self.recurrent_state,
+                ctx.verify_cu_seqlens, list(ctx.verify_seq_lens), ctx.verify_state_indices, gate=gate_params,
+            ))
+        if ctx.num_kda_prefills:
+            p = slice(first_prefill_row, None)
             kda_parts.append(kda_prefill(
                 q[p], k[p], v[p], g[p], beta[p], self.scale,
                 ctx.prefill_cu_seqlens, self.recurrent_state,

@@ -226,6 +226,53 @@ def kda_decode(
     return o.float()
 
 
+def kda_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_lens: list[int],
+    state_indices: torch.Tensor,
+    *,
+    gate: KDAGate | None = None,
+) -> torch.Tensor:
+    """Speculative decoding's verify windows: N windows packed back to back, window n starting from the
+    state in slot state_indices[n, 0] and leaving the state after its token t in slot state_indices[n, t].
+
+    Args:
+        q, k: [T, H, K] l2-normalised, q not yet scaled (raw when `gate` is given). v: [T, H, V].
+        g: [T, H, K] log-space decay. beta: [T, H] (raw logits when `gate` is given).
+        state_pool: [S, H, K, V] float32.
+        cu_seqlens: [N + 1] long on q's device; seq_lens: the same lengths on the host.
+        state_indices: [N, max(seq_lens)] long, distinct slots per row (entries past a window's length unused).
+    Returns:
+        o: [T, H, V], float32 or v's dtype.
+    """
+    if not seq_lens:
+        return v.new_zeros(v.shape, dtype=torch.float32)
+    if select_backend(q.device) == "fla":
+        _check_pool_layout(state_pool)
+        # fla's spec-decoding mode: reads slot [n, num_accepted - 1] (here always the first) and writes the
+        # state after each token t to slot [n, t]
+        ones = torch.ones(len(seq_lens), dtype=torch.long, device=q.device)
+        o, _ = _fla_fused_recurrent_fwd()(
+            q=q.unsqueeze(0).contiguous(), k=k.unsqueeze(0).contiguous(), v=v.unsqueeze(0).contiguous(),
+            g=g.unsqueeze(0).contiguous(), beta=beta.unsqueeze(0).contiguous(), scale=scale,
+            initial_state=state_pool, inplace_final_state=True, cu_seqlens=cu_seqlens,
+            ssm_state_indices=state_indices, num_accepted_tokens=ones, **_fused_activation_kwargs(gate),
+        )
+        return o.squeeze(0)
+
+    from deltaserve.spec.state_rollback import recurrent_kda_verify_varlen
+
+    q, k, g, beta = _activate(q, k, g, beta, gate)
+    return recurrent_kda_verify_varlen(q, k, v, g, beta, scale, state_pool, seq_lens, state_indices).float()
+
+
 def _fused_activation_kwargs(gate: KDAGate | None) -> dict[str, object]:
     """fla's flags and parameters for raw inputs: l2 norms, decay gate and beta sigmoid in the kernel."""
     fused = gate is not None
