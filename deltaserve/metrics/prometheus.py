@@ -135,6 +135,14 @@ class EngineMetrics:
         self.offload_saves = counter("offload_saves", "Offload tier: checkpoint saves every rank stored.")
         self.offload_saves_skipped = counter("offload_saves_skipped",
                                              "Offload tier: saves that found max pending saves in flight (deferred).")
+        # speculative decoding, vLLM's series
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify windows run.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                              "Speculative decoding: drafts accepted at each position of a window.",
+                                              ["model_name", "position"], registry=r)
         self._last_totals: dict[str, float] = {}
 
     def _increment(self, key: str, counter: Any, total: float) -> None:
@@ -191,6 +199,14 @@ class EngineMetrics:
         offload = snapshot.get("offload")
         if offload is not None:
             self._record_offload(offload)
+        spec = snapshot.get("spec_decode")
+        if spec is not None:
+            for key, counter in (("num_drafts", self.spec_drafts), ("num_draft_tokens", self.spec_draft_tokens),
+                                 ("num_accepted_tokens", self.spec_accepted_tokens)):
+                self._increment(f"spec:{key}", counter, spec[key])
+            for position, total in enumerate(spec["accepted_per_position"]):
+                self._increment(f"spec:pos:{position}", self._spec_accepted_per_pos.labels(self._model, str(position)),
+                                total)
         cps = snapshot.get("checkpoints")
         if cps is not None:
             self.checkpoints.set(cps["num_checkpoints"])

@@ -22,6 +22,7 @@ class StatsLogger:
         self._generation_tokens = 0
         self._last_queried = 0
         self._last_hits = 0
+        self._last_spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens at the last line
 
     def record(self, stats: IterationStats) -> None:
         self._prompt_tokens += stats.num_computed_tokens - min(stats.num_generation_tokens,
@@ -58,8 +59,21 @@ class StatsLogger:
                 parts.append(f"prefix cache hit rate: {100 * hits / queried if queried else 0.0:.1f}%")
                 cps = snapshot["checkpoints"]
                 parts.append(f"state checkpoints: {cps['num_checkpoints']}/{cps['capacity']}")
+            spec = snapshot.get("spec_decode")
+            if spec is not None:
+                parts.append(self._spec_part(spec))
             line = ", ".join(parts)
             self.log.info("engine: %s", line)
         self._start = now
         self._prompt_tokens = self._generation_tokens = 0
         return line
+
+    def _spec_part(self, spec: dict[str, Any]) -> str:
+        """Speculative decoding since the last line: acceptance rate and mean acceptance length."""
+        totals = (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"])
+        drafts, tokens, accepted = (now - last for now, last in zip(totals, self._last_spec, strict=True))
+        self._last_spec = totals
+        rate = 100 * accepted / tokens if tokens else 0.0
+        length = 1 + accepted / drafts if drafts else 0.0
+        return f"spec decode: acceptance rate {rate:.1f}%, mean acceptance length {length:.2f}"
+

@@ -86,3 +86,20 @@ def test_stats_line_only_while_busy(caplog):
     assert line in caplog.text
     idle = _snapshot(running=0, waiting=0)
     assert logger.maybe_log(idle, now=logger._start + 10) is None  # nothing happened since
+
+
+def test_spec_decode_series_and_log_line(caplog):
+    m = EngineMetrics("tiny", max_model_len=1000)
+    spec = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12, "accepted_per_position": [7, 4, 1],
+            "acceptance_rate": 0.4, "mean_acceptance_length": 2.2}
+    m.record(None, {**_snapshot(), "spec_decode": spec})
+    v = _values(m)
+    assert v["deltaserve:spec_decode_num_drafts_total"] == 10
+    assert v["deltaserve:spec_decode_num_draft_tokens_total"] == 30
+    assert v["deltaserve:spec_decode_num_accepted_tokens_total"] == 12
+    assert v["deltaserve:spec_decode_num_accepted_tokens_per_pos_total{position=1}"] == 4
+    logger = StatsLogger(interval_s=5.0)
+    logger.record(IterationStats(num_generation_tokens=3, num_computed_tokens=5))
+    with caplog.at_level(logging.INFO, logger="deltaserve.engine"):
+        line = logger.maybe_log({**_snapshot(), "spec_decode": spec}, now=logger._start + 5)
+    assert "acceptance rate 40.0%" in line and "mean acceptance length 2.20" in line
