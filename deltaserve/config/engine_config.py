@@ -237,8 +237,12 @@ class EngineConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """Drafts verified per request and step (0: no speculative decoding)."""
-        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+        """Drafts verified per request and step: 0 without speculative decoding, and on a P/D producer,
+        which never speculates (its requests end after their first token)."""
+        transfer = self.kv_transfer_config
+        if self.speculative_config is None or (transfer is not None and transfer.is_producer):
+            return 0
+        return self.speculative_config.num_speculative_tokens
 
     @property
     def scheduler_block_size(self) -> int:

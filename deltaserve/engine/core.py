@@ -212,10 +212,9 @@ class EngineCore:
         return (2 if config.enable_prefix_caching else 1) + config.num_speculative_tokens
 
     def _spec_scheduling(self, config: EngineConfig) -> SpecDecodeScheduling | None:
-        """Speculative decoding's scheduler side, or None (off, or a P/D producer, which never speculates:
-        its requests end after their first token)."""
+        """Speculative decoding's scheduler side, or None (off, or a P/D producer)."""
         spec = config.speculative_config
-        if spec is None or (config.kv_transfer_config is not None and config.kv_transfer_config.is_producer):
+        if config.num_speculative_tokens == 0:
             return None
         ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         grid = self.prefix_cache.grid if self.prefix_cache is not None else None
