@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_output_tokens = 0
         self.stop_string: str | None = None
+        self.tokens_after_stop = 0  # of the last update's tokens, those after the one that completed a stop string
         self._last_output_text_offset = 0
         # with include_stop_str_in_output a match cuts after the stop string, which ends in the update
         # that finds it, so past anything streamed: nothing need be held back
@@ -70,19 +71,31 @@ class IncrementalDetokenizer:
         is left out unless include_stop_str_in_output.
         On a match the text is cut before the stop string (after it with include_stop_str_in_output).
         Stop strings are looked for only once more than min_tokens tokens exist, and only over the
-        new text plus the len(longest stop) - 1 characters before it.
+        new text plus the len(longest stop) - 1 characters before it, token by token: of several new
+        tokens (a speculative run) those after the one that completes a match are not counted, and
+        `tokens_after_stop` says how many there were.
         """
+        self.tokens_after_stop = 0
         self.num_output_tokens += len(new_token_ids)
         if self.tokenizer is None or self.stop_string is not None:
             return None
+        received = len(new_token_ids)
         if stop_terminated and new_token_ids and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         old_length = len(self.output_text)
-        for token_id in new_token_ids:
-            self.output_text += self._decode_next(token_id)
         stop = None
-        if self.stop and self.num_output_tokens > self.params.min_tokens:
-            stop = self._check_stop_strings(len(self.output_text) - old_length)
+        first_count = self.num_output_tokens - received  # tokens before this update
+        for index, token_id in enumerate(new_token_ids):
+            before = len(self.output_text)
+            self.output_text += self._decode_next(token_id)
+            # checked token by token: a stop string inside several new tokens (a speculative run) ends
+            # the request at the token that completes it
+            if self.stop and first_count + index + 1 > self.params.min_tokens:
+                stop = self._check_stop_strings(len(self.output_text) - before)
+                if stop is not None:
+                    self.tokens_after_stop = received - index - 1
+                    self.num_output_tokens -= self.tokens_after_stop
+                    break
         if stop is not None or not self._holds_back:
             self._stream_end = len(self.output_text)  # after a match the (cut) text is final
         else:

@@ -89,6 +89,11 @@ class OutputProcessor:
                     state.cumulative_logprob += lp.logprobs[0]
             if state.detokenizer is not None:
                 stop = state.detokenizer.update(out.new_token_ids)
+                dropped = state.detokenizer.tokens_after_stop
+                if dropped:  # a stop string completed inside a speculative run: the tokens after it go
+                    del state.output_token_ids[-dropped:]
+                    if state.logprobs is not None and out.new_logprobs:
+                        del state.logprobs[-dropped:]
                 if stop is not None:
                     if finish_reason is None:
                         stopped_by_string.append(out.request_id)

@@ -173,3 +173,22 @@ def test_refused_configurations():
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(model="x", speculative_config='{"method": "ngram", "num_speculative_tokens": 0}')
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_at_its_token():
+    """The embedded model and its tokenizer: a stop string completed by a token in the middle of a
+    window ends the request there, text and token ids as without speculation."""
+    prompt = "def fibonacci(n):\n"
+    plain = LLM(dtype="float32")
+    ids = plain.generate([prompt], greedy(1), use_tqdm=False)[0].prompt_token_ids
+    full = plain.generate([{"prompt_token_ids": ids}], greedy(24), use_tqdm=False)[0].outputs[0]
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = plain.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    llm.llm_engine.scheduler.spec.proposer = OracleDrafts([ids], [list(full.token_ids)], vocab_size=1 << 16)
+    got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
+    assert len(got.token_ids) < 24
+    assert_counters_add_up(llm)
