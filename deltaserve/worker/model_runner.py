@@ -237,10 +237,11 @@ class ModelRunner:
         GPU its sampled ids come to the host by a non-blocking copy that `get_output()` waits for, and
         the runner itself never waits for the device (the state store's saves and loads do, and so may
         model kernels: fla's chunked KDA prefill); on the CPU it is ready."""
-        for new in scheduler_output.new_requests:
-            self.sampling_params[new.request_id] = new.sampling_params
+        # finished before this step: an id may come back as a new request in the same step
         for request_id in scheduler_output.finished_request_ids:
             self.sampling_params.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.sampling_params[new.request_id] = new.sampling_params
         # finished requests are gone; preempted ones start a new table in their next life
         dropped = scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids
         self.block_tables.drop(dropped)
