@@ -226,8 +226,12 @@ class EngineConfig:
         from deltaserve.config.speculative import SpeculativeConfig
 
         spec = self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if spec.method != "ngram":
-            raise ValueError(f"speculative_config: method {spec.method!r} is not built yet; method 'ngram' is")
+        if spec.method == "eagle3":
+            raise ValueError("speculative_config: method 'eagle3' is not built yet; 'ngram' and 'draft_model' are")
+        if spec.method == "draft_model" and self.decode_context_parallel_size > 1:
+            raise ValueError(f"speculative_config: method 'draft_model' does not run under decode context "
+                             f"parallelism yet (decode_context_parallel_size={self.decode_context_parallel_size}); "
+                             "use method 'ngram' or decode_context_parallel_size=1")
         if self.async_scheduling:
             # the next step's verify window starts from the tokens the previous step accepted, which the
             # scheduler learns only when that step's output is applied

@@ -75,6 +75,8 @@ class Request:
     # offload tier: the tokens a load in flight brings back; set when one failed (admitted without the tier)
     tier_hit_tokens: int = 0
     tier_load_failed: bool = False
+    # speculative decoding with a model drafter: the drafts its last step proposed for the next
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

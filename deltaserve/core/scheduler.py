@@ -329,6 +329,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_outputs = 0  # the steps in flight are of its earlier life: their samples are dropped
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -368,7 +369,8 @@ class Scheduler:
                 continue
             table = None
             while table is None:
-                table = self.kv_cache_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+                table = self.kv_cache_manager.allocate_slots(
+                    request.request_id, self._with_lookahead(request.num_computed_tokens + num_new))
                 if table is None:
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -403,12 +405,14 @@ class Scheduler:
                     continue
             num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
             reserve = self._readmission_reserve(request)
-            if not self.kv_cache_manager.can_allocate(request.request_id, hit.num_tokens + num_new + reserve,
+            if not self.kv_cache_manager.can_allocate(request.request_id,
+                                                      self._with_lookahead(hit.num_tokens + num_new) + reserve,
                                                       hit.block_ids):
                 break
             self.waiting.popleft()
             slot = self._allocate_state(request)
-            table = self.kv_cache_manager.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
+            table = self.kv_cache_manager.allocate_slots(request.request_id,
+                                                         self._with_lookahead(hit.num_tokens + num_new), hit.block_ids)
             assert slot is not None and table is not None
             if reads_cache:
                 self.prefix_cache.account(request, hit)
@@ -607,6 +611,11 @@ class Scheduler:
             return 0
         return len(self.running) * self.kv_cache_manager.block_size
 
+    def _with_lookahead(self, num_tokens: int) -> int:
+        """Tokens to hold KV blocks for: a model drafter writes its drafts' latents past the chunk."""
+        lookahead = self.spec.lookahead if self.spec is not None else 0
+        return min(num_tokens + lookahead, max(num_tokens, self.config.max_model_len))
+
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: drafts for a request ready to decode (all but its last token computed,
         no step in flight for it); [] when it decodes plainly."""
@@ -709,12 +718,13 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int],
                            kv_output: KVConnectorOutput | None = None,
                            offload_output: OffloadOutput | None = None,
-                           extra_tokens: dict[str, list[int]] | None = None) -> StepUpdate:
+                           extra_tokens: dict[str, list[int]] | None = None,
+                           draft_tokens: dict[str, list[int]] | None = None) -> StepUpdate:
         """After the step ran (steps are reported in the order they were scheduled): unpin what it
         loaded, mark what it saved written, append each sampled token of a request still in the life
         it was scheduled in, and finish requests that hit a stop condition. A verify window's further
         accepted tokens come in `extra_tokens` (after its first, in `sampled`); its state rollback goes
-        on the next step."""
+        on the next step. A model drafter's proposals for the next step come in `draft_tokens`."""
         oldest = next(iter(self.in_flight), None)
         if oldest != scheduler_output.step_id:
             raise ValueError(f"step {scheduler_output.step_id} reported, but the oldest step in flight is {oldest}")
@@ -752,6 +762,7 @@ class Scheduler:
                 self._copies_before_next_step += self.spec.rollback(request, window, len(tokens))
                 update.new_tokens[chunk.request_id] = appended = []
             update.applied.add(chunk.request_id)
+            request.spec_token_ids = (draft_tokens or {}).get(chunk.request_id, [])
             for token in tokens:
                 request.output_token_ids.append(token)
                 if window is not None:

@@ -83,13 +83,16 @@ class SpecDecodeScheduling:
     """What the scheduler asks about speculation: how many drafts a request may verify now, and what
     an applied verify window leaves to do."""
 
-    def __init__(self, num_speculative_tokens: int, proposer: DraftProposer, grid: int | None) -> None:
-        """grid: the checkpoint grid with prefix caching (boundary slots live on it), None without."""
+    def __init__(self, num_speculative_tokens: int, proposer: DraftProposer, grid: int | None,
+                 lookahead: int = 0) -> None:
+        """grid: the checkpoint grid with prefix caching (boundary slots live on it), None without;
+        lookahead: tokens of KV blocks to hold past each chunk (a model drafter writes its drafts there)."""
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be at least 1")
         self.k = num_speculative_tokens
         self.proposer = proposer
         self.grid = grid
+        self.lookahead = lookahead
         self.stats = SpecDecodeStats()
 
     def drafts(self, request: Request, budget: int, max_model_len: int) -> list[int]:

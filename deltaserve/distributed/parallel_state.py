@@ -15,6 +15,8 @@ NCCL; on gloo the two are the same group.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -151,3 +153,15 @@ def destroy_distributed() -> None:
     if _state is not None and _state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _state = None
+
+
+@contextmanager
+def without_groups() -> Iterator[None]:
+    """Run a single-rank model inside a multi-rank process (a draft model on the output rank): its layers'
+    collectives (`tp_all_reduce`, ...) see no groups and return their input."""
+    global _state
+    saved, _state = _state, None
+    try:
+        yield
+    finally:
+        _state = saved

@@ -216,10 +216,14 @@ class EngineCore:
         spec = config.speculative_config
         if config.num_speculative_tokens == 0:
             return None
-        ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         grid = self.prefix_cache.grid if self.prefix_cache is not None else None
-        return SpecDecodeScheduling(spec.num_speculative_tokens,
-                                    lambda request, n: ngram.propose(request.all_token_ids, n), grid)
+        if spec.method == "ngram":
+            ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            return SpecDecodeScheduling(spec.num_speculative_tokens,
+                                        lambda request, n: ngram.propose(request.all_token_ids, n), grid)
+        # a model drafter proposes on the output rank after each step; its latents need k tokens of lookahead
+        return SpecDecodeScheduling(spec.num_speculative_tokens, lambda request, n: request.spec_token_ids[:n], grid,
+                                    lookahead=spec.num_speculative_tokens)
 
     def _cap_to_the_cache(self, config: EngineConfig, max_model_len: int) -> int:
         """max_model_len, lowered to what the whole KV cache holds when num_kv_blocks leaves less (as
@@ -374,7 +378,7 @@ class EngineCore:
             self.offload_rank_stats.update(runner_output.offload_output.stats)
         update = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_by_request(),
                                                    runner_output.kv_connector_output, runner_output.offload_output,
-                                                   runner_output.extra_token_ids)
+                                                   runner_output.extra_token_ids, runner_output.draft_token_ids)
         finished = {r.request_id: r for r in update.finished}
         if self.kv_transfer is not None and self.kv_transfer.scheduler.streams:
             self._publish_progress(scheduler_output)

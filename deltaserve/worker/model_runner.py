@@ -20,6 +20,7 @@ last stage samples, so under PP the scheduler never sends a placeholder (a decod
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class ModelRunner:
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
         self.offload: Any = None  # the offload tier's rank side (offload/worker_side.py), when it is on
         self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
+        self.drafter: Any = None  # speculative decoding's model drafter (spec/draft_model.py), on the output rank
         self.block_tables = BlockTables(device=device)  # every running request's table, kept across steps
         # [rows] long on the device, by block-table row: the token the row's request sampled last;
         # valid for the requests in _has_sampled (a dropped row's value is stale)
@@ -253,13 +255,24 @@ class ModelRunner:
             self.state_store.before_forward(scheduler_output, between)
         result = self._forward_and_sample(scheduler_output) if scheduler_output.chunks else None
         if result is None:
-            output = ModelRunnerOutput()
+            output = self._with_drafts(scheduler_output, ModelRunnerOutput())
             return AsyncModelRunnerOutput.ready(output) if non_block else output
         tensors = _output_tensors(result)
+        if self.drafter is not None:  # the drafter needs this step's tokens on the host now
+            output = _runner_output(result, {name: t.tolist() for name, t in tensors.items()})
+            output = self._with_drafts(scheduler_output, output)
+            return AsyncModelRunnerOutput.ready(output) if non_block else output
         if not (non_block and self.device.type == "cuda"):
             output = _runner_output(result, {name: t.tolist() for name, t in tensors.items()})  # the host sync
             return AsyncModelRunnerOutput.ready(output) if non_block else output
         return AsyncModelRunnerOutput(_copy_to_host(result, tensors))
+
+    def _with_drafts(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """The output with the model drafter's proposals for the requests it sampled (if there is one)."""
+        if self.drafter is None:
+            return output
+        drafts = self.drafter.propose(scheduler_output, output, self.block_tables)
+        return dataclasses.replace(output, draft_token_ids=drafts)
 
     def _copy_states(self, scheduler_output: SchedulerOutput) -> None:
         """Speculative decoding's rollbacks, before anything else reads a slot: the state a verify

@@ -39,6 +39,8 @@ class ModelRunnerOutput:
     offload_output: Any = None  # offload tier: offload.metadata.OffloadOutput, saves and loads finished
     # speculative decoding: a verify window's accepted tokens after its first (which is in sampled_token_ids)
     extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # speculative decoding with a model drafter: the drafts each request's next step verifies
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def sampled_by_request(self) -> dict[str, int]:
         return dict(zip(self.request_ids, self.sampled_token_ids, strict=True))

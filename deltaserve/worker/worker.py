@@ -32,6 +32,25 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_CACHE_BYTES = 256 << 20
 
 
+def load_draft_model(model: str, target: KimiLinearConfig, dtype: torch.dtype, device: torch.device,
+                     seed: int) -> KimiLinearForCausalLM:
+    """Speculative decoding's draft model (a Kimi Linear checkpoint directory or random:<preset>), as one
+    rank; refused when its vocabulary is not the target's."""
+    from deltaserve.model_files.random_model import random_model_config
+
+    one_rank = ParallelConfig()
+    if random_preset_name(model) is not None:
+        config = random_model_config(model)
+    else:
+        config = KimiLinearConfig.from_pretrained(model)
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model {model!r} has vocab_size={config.vocab_size}, the "
+                         f"target {target.vocab_size}; a draft model must share the target's vocabulary")
+    if random_preset_name(model) is not None:
+        return build_random_model(config, one_rank, dtype, device, seed + 1)
+    return load_model_from_dir(model, config, one_rank, dtype, device)
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -169,12 +188,33 @@ class Worker:
             max_model_len = self.engine_config.max_model_len or self.model_config.max_position_embeddings
             self.offload = self.runner.offload = OffloadWorker.build(
                 self.engine_config, self.model, self.parallel, self.runner.state_store.units, max_model_len)
+        self._build_drafter(plan)
         if self.parallel.pipeline_parallel_size > 1:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
         elif self.dcp is not None:
             logger.info("decode runs without CUDA graphs under decode context parallelism (not captured yet)")
         elif self.device.type == "cuda" and not self.engine_config.enforce_eager:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
+
+    def _build_drafter(self, plan: CachePlan) -> None:
+        """Speculative decoding's draft model, on the output rank only (the last stage's first TP rank,
+        which samples): one model on one rank, its caches beside the target's."""
+        spec = self.engine_config.speculative_config
+        parallel = self.parallel
+        if (self.engine_config.num_speculative_tokens == 0 or spec.method != "draft_model"
+                or not parallel.is_last_stage or parallel.tensor_parallel_rank != 0):
+            return
+        from deltaserve.spec.draft_model import DraftModelRunner
+
+        model = load_draft_model(spec.model, self.model_config, self.dtype, self.device, self.engine_config.seed)
+        cfg = self.engine_config
+        max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        assert self.runner is not None
+        # past the target's ids: the scratch block and slot that CUDA-graph padding writes to
+        self.runner.drafter = DraftModelRunner(
+            model, spec.num_speculative_tokens, cfg.block_size, plan.num_blocks + 1, plan.num_state_slots + 1,
+            cfg.max_num_seqs, max_model_len, cfg.max_num_batched_tokens, self.device)
+        logger.info("draft model %s: %d drafts per step, on this rank", spec.model, spec.num_speculative_tokens)
 
     def _decode_is_capturable(self) -> bool:
         """Every routed-expert layer must take the sync-free grouped GEMM (bf16 on sm90+); the loop that

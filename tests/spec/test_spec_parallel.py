@@ -60,3 +60,18 @@ def test_greedy_identical_under_parallelism(world, reference):
     # a second round: prompts that hit the prefix cache, then verify from the loaded state
     assert run(llm, prompts, params) == reference, name
     assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("name", sorted(WORLDS))
+def test_draft_model_on_the_output_rank(model_dir, reference, name):
+    """The target's own checkpoint as the draft, loaded by the output rank only: every draft accepted."""
+    prompts, params = prompts_and_params()
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}
+    llm = LLM(model=model_dir, speculative_config=spec, **COMMON, **WORLDS[name])
+    try:
+        assert run(llm, prompts, params) == reference, name
+        metrics = llm.get_metrics()["spec_decode"]
+        assert metrics["num_drafts"] > 0 and metrics["acceptance_rate"] == 1.0, metrics
+        assert_nothing_held(llm)
+    finally:
+        llm.llm_engine.shutdown()

@@ -1,0 +1,76 @@
+"""The draft-model drafter through the engine: with the target's own checkpoint as its draft, greedy
+acceptance is 1.0 and the tokens are plain decoding's, for k = 1, 3, 5; a different (random) draft is
+lossless too, with prefix caching, chunked prefill, preemption and a second turn that hits the cache;
+and under PP=2 and TP=2 the drafter runs on the output rank only."""
+
+from __future__ import annotations
+
+import pytest
+from hf_reference import checkpoint_dir, random_prompts, tiny_hub_config
+
+from deltaserve import LLM, SamplingParams
+
+from .test_spec_engine import assert_nothing_held
+
+COMMON = {"dtype": "float32", "device": "cpu", "block_size": 16, "max_num_batched_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    target, _ = checkpoint_dir(tmp_path_factory, "target", tiny_hub_config(), seed=51)
+    draft, _ = checkpoint_dir(tmp_path_factory, "draft", tiny_hub_config(num_hidden_layers=2, linear_attn_config=dict(
+        head_dim=16, num_heads=4, short_conv_kernel_size=4, kda_layers=[1], full_attn_layers=[2])), seed=52)
+    return target, draft
+
+
+def prompts():
+    return random_prompts([23, 40, 9, 70], 320, seed=13)
+
+
+def greedy(n=20):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def run(llm, batch, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    return run(LLM(model=dirs[0], **COMMON, enable_prefix_caching=False), prompts(), greedy())
+
+
+def spec(model, k):
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_target_as_its_own_draft_accepts_everything(dirs, reference, k):
+    llm = LLM(model=dirs[0], **COMMON, speculative_config=spec(dirs[0], k))
+    assert run(llm, prompts(), greedy()) == reference
+    metrics = llm.get_metrics()["spec_decode"]
+    assert metrics["num_drafts"] > 0 and metrics["acceptance_rate"] == 1.0, metrics
+    assert_nothing_held(llm)
+
+
+def test_a_smaller_draft_is_lossless_with_caching_chunks_and_preemption(dirs, reference):
+    llm = LLM(model=dirs[0], **{**COMMON, "max_num_batched_tokens": 24}, num_kv_blocks=14,
+              speculative_config=spec(dirs[1], 3))
+    assert run(llm, prompts(), greedy()) == reference
+    assert llm.get_metrics()["scheduler"]["num_preemptions"] > 0
+    assert_nothing_held(llm)
+    llm = LLM(model=dirs[0], **COMMON, speculative_config=spec(dirs[1], 3))
+    assert run(llm, prompts(), greedy()) == reference
+    second = [p + a + p[:3] for p, a in zip(prompts(), reference, strict=True)]
+    want = run(LLM(model=dirs[0], **COMMON, enable_prefix_caching=False), second, greedy(12))
+    assert run(llm, second, greedy(12)) == want
+    assert llm.get_metrics()["prefix_cache"]["hit_tokens"] > 0
+    assert_nothing_held(llm)
+
+
+def test_refusals(dirs):
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(model=dirs[0], **COMMON, speculative_config=spec("random:small", 2))
+    with pytest.raises(ValueError, match="needs \"model\""):
+        LLM(model=dirs[0], **COMMON, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
