@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hf_reference import checkpoint_dir, random_prompts, tiny_hub_config
 
 from deltaserve import LLM, SamplingParams
@@ -192,3 +193,20 @@ def test_a_stop_string_inside_an_accepted_run_ends_at_its_token():
     assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
     assert len(got.token_ids) < 24
     assert_counters_add_up(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verify_windows_with_fla(model_dir):
+    """On the GPU, verify windows run fla's spec-decoding kernel (and the draft model its own caches):
+    greedy tokens equal plain decoding's on the same device."""
+    prompts = repetitive_prompts()
+    cuda = {"dtype": "float32", "device": "cuda", "block_size": BS, "max_num_batched_tokens": 96}
+    want = run(LLM(model=model_dir, **cuda), prompts, greedy())
+    llm = LLM(model=model_dir, **cuda, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.llm_engine.scheduler.spec.proposer = OracleDrafts(prompts, want)
+    assert run(llm, prompts, greedy()) == want
+    assert_counters_add_up(llm)
+    draft = LLM(model=model_dir, **cuda, speculative_config={"method": "draft_model", "model": model_dir,
+                                                             "num_speculative_tokens": 3})
+    assert run(draft, prompts, greedy()) == want
+    assert draft.get_metrics()["spec_decode"]["acceptance_rate"] > 0.9
