@@ -167,6 +167,18 @@ def _run_worker_node(config: EngineConfig) -> int:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from deltaserve.model_files.make_model import make_model
 
+    if args.eagle3:  # a random Eagle3 head for a target of this preset
+        import torch
+
+        from deltaserve.model.eagle3 import random_eagle3_head, save_eagle3
+        from deltaserve.model_files.presets import preset_config
+
+        target = preset_config(args.preset)
+        head = random_eagle3_head(target.vocab_size, target.hidden_size, target.num_hidden_layers,
+                                  target.rms_norm_eps, seed=args.seed)
+        save_eagle3(head, args.out, getattr(torch, args.dtype or "bfloat16"))
+        print(args.out)
+        return 0
     path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
     print(path)
     return 0
@@ -232,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: the preset's)")
+    make.add_argument("--eagle3", action="store_true",
+                      help="write a random Eagle3 draft head for a target of this preset instead (speculative "
+                           "decoding's method eagle3)")
     make.set_defaults(func=_cmd_make_model)
 
     from deltaserve.kv_transfer.topology import run_topology_command

@@ -226,8 +226,6 @@ class EngineConfig:
         from deltaserve.config.speculative import SpeculativeConfig
 
         spec = self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if spec.method == "eagle3":
-            raise ValueError("speculative_config: method 'eagle3' is not built yet; 'ngram' and 'draft_model' are")
         if spec.method == "draft_model" and self.decode_context_parallel_size > 1:
             raise ValueError(f"speculative_config: method 'draft_model' does not run under decode context "
                              f"parallelism yet (decode_context_parallel_size={self.decode_context_parallel_size}); "

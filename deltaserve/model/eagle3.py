@@ -316,3 +316,27 @@ def load_eagle3(model_dir: str, device: str | torch.device = "cpu", dtype: torch
     if missing or unexpected:
         raise ValueError(f"eagle3: {model_dir} has missing tensors {missing} and unexpected tensors {unexpected}")
     return head.to(device=device, dtype=dtype).eval()
+
+
+def random_eagle3_head(vocab_size: int, hidden_size: int, num_target_layers: int, rms_norm_eps: float = 1e-5,
+                       head_dim: int = 16, seed: int = 0) -> Eagle3Head:
+    """A head of random weights (normal, std 0.02; norms at one) for a target of these sizes, tapping vLLM's
+    default layers: what `deltaserve make-model --eagle3` writes, for tests and benchmarks."""
+    if hidden_size % head_dim:
+        raise ValueError(f"eagle3: head_dim={head_dim} does not divide the target's hidden size {hidden_size}")
+    heads = hidden_size // head_dim
+    config = Eagle3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, target_hidden_size=hidden_size,
+        tap_layer_ids=default_tap_layers(num_target_layers), num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=head_dim, intermediate_size=3 * hidden_size, rms_norm_eps=rms_norm_eps,
+        target_num_hidden_layers=num_target_layers,
+    )
+    head = Eagle3Head(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return head.eval()

@@ -90,17 +90,22 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class IntermediateTensors:
-    """The residual stream between pipeline stages, [T, hidden_size] each: the stream is hidden + residual."""
+    """The residual stream between pipeline stages, [T, hidden_size] each: the stream is hidden + residual;
+    with an Eagle3 drafter, also the tap states earlier stages captured, [T, n * hidden_size] in tap order."""
 
     hidden: torch.Tensor
     residual: torch.Tensor
+    taps: torch.Tensor | None = None
 
     def to_dict(self) -> dict[str, torch.Tensor]:
-        return {"hidden": self.hidden, "residual": self.residual}
+        out = {"hidden": self.hidden, "residual": self.residual}
+        if self.taps is not None:
+            out["taps"] = self.taps
+        return out
 
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor]) -> IntermediateTensors:
-        return cls(tensors["hidden"], tensors["residual"])
+        return cls(tensors["hidden"], tensors["residual"], tensors.get("taps"))
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -127,6 +132,10 @@ class KimiLinearForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.requires_grad_(False)
         self._check_groups = parallel.world_size > 1  # until the first forward has found them
+        # an Eagle3 drafter's taps: the stream entering each of these layers is captured for every token
+        # (earlier stages' relayed with the stream); the last stage leaves them in captured_taps
+        self.tap_layer_ids: tuple[int, ...] = ()
+        self.captured_taps: torch.Tensor | None = None  # [T, len(tap_layer_ids) * hidden_size]
 
     def _require_groups(self) -> None:
         parallel = self.parallel
@@ -160,13 +169,28 @@ class KimiLinearForCausalLM(nn.Module):
             if intermediate is None:
                 raise ValueError("a later pipeline stage needs the previous stage's IntermediateTensors")
             hidden, residual = intermediate.hidden, intermediate.residual
-        for layer in self.layers.values():
+        taps = self._relayed_taps(intermediate)
+        for i, layer in self.layers.items():
+            if int(i) in self.tap_layer_ids:
+                taps.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(hidden, residual)
+        joined = torch.cat(taps, dim=-1) if taps else None
         if not self.parallel.is_last_stage:
-            return IntermediateTensors(hidden, torch.zeros_like(hidden) if residual is None else residual)
+            return IntermediateTensors(hidden, torch.zeros_like(hidden) if residual is None else residual, joined)
+        self.captured_taps = joined
         if residual is None:  # one stage without layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
+
+    def _relayed_taps(self, intermediate: IntermediateTensors | None) -> list[torch.Tensor]:
+        """The taps earlier stages captured, checked against the tap layers they own."""
+        expected = sum(i < self.layer_start for i in self.tap_layer_ids) * self.config.hidden_size
+        got = 0 if intermediate is None or intermediate.taps is None else intermediate.taps.shape[-1]
+        if got != expected:
+            raise RuntimeError(f"stage with layers [{self.layer_start}, {self.layer_end}): the previous stage relayed "
+                               f"{got} tap columns, but taps {self.tap_layer_ids} below layer {self.layer_start} "
+                               f"make {expected}")
+        return [intermediate.taps] if got else []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> float32 logits [N, vocab_size] (last stage; full vocabulary on

@@ -18,12 +18,15 @@ masses (as vLLM's), which the rejection sampler verifies losslessly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.distributed.parallel_state import without_groups
 from deltaserve.model.forward_context import ForwardContext, PrefillSequence, set_forward_context
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
+from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
@@ -50,43 +53,27 @@ class DraftModelRunner:
                 layer.bind_state(
                     torch.zeros(rows, 3 * layer.local_dim, layer.conv_width - 1, dtype=dtype),
                     torch.zeros(rows, layer.num_heads, layer.head_dim, layer.head_dim, dtype=torch.float32))
-        self.known: dict[str, list[int]] = {}  # every token of each request known so far (prompt, outputs)
+        self.known = KnownTokens()
         self.progress: dict[str, int] = {}  # tokens the drafter has run, in the live slot
-
-    def _note_step(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        """Learn prompts and tokens from the step; returns each chunk's live slot by request."""
-        for request_id in scheduler_output.finished_request_ids:
-            self.known.pop(request_id, None)
-            self.progress.pop(request_id, None)
-        for request_id in scheduler_output.preempted_request_ids:
-            self.progress.pop(request_id, None)  # a new life: new slot, recomputed from the start
-        for new in scheduler_output.new_requests:
-            self.known[new.request_id] = list(new.prompt_token_ids)
-            self.progress.pop(new.request_id, None)
-        slots = {}
-        for chunk in scheduler_output.chunks:
-            known = self.known.setdefault(chunk.request_id, [])
-            tokens = chunk.token_ids[:1] if chunk.is_verify else chunk.token_ids
-            for position, token in enumerate(tokens, start=chunk.num_computed_tokens):
-                if position == len(known):  # a P/D consumer's first token: the producer sampled it
-                    known.append(token)
-            slots[chunk.request_id] = chunk.state_slot
-        return slots
 
     @torch.inference_mode()
     def propose(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput,
-                tables: BlockTables) -> dict[str, list[int]]:
+                runner: Any) -> dict[str, list[int]]:
         """After the target's step: the drafts of every request it sampled for (none for one still
-        catching up). `tables`: the runner's block tables, this step's blocks applied."""
-        slots = self._note_step(scheduler_output)
-        for request_id, token in zip(output.request_ids, output.sampled_token_ids, strict=True):
-            self.known[request_id] += [token, *output.extra_token_ids.get(request_id, [])]
+        catching up). `runner`: the model runner, whose block tables have this step's blocks applied."""
+        self.known.note_step(scheduler_output)
+        for request_id in scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids:
+            self.progress.pop(request_id, None)  # a new life: a new slot, recomputed from the start
+        for new in scheduler_output.new_requests:
+            self.progress.pop(new.request_id, None)
+        self.known.note_output(output)
+        slots = {chunk.request_id: chunk.state_slot for chunk in scheduler_output.chunks}
         sampled = [r for r in output.request_ids if r in slots]
         if not sampled:
             return {}
         with without_groups():
-            first = self._catch_up(sampled, slots, tables)
-            return self._draft(first, slots, tables)
+            first = self._catch_up(sampled, slots, runner.block_tables)
+            return self._draft(first, slots, runner.block_tables)
 
     def _catch_up(self, request_ids: list[str], slots: dict[str, int], tables: BlockTables) -> dict[str, int]:
         """Run each request's unseen tokens from its live state (a prefill chunk each, up to

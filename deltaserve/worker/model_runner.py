@@ -117,7 +117,8 @@ class ModelRunner:
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
         self.offload: Any = None  # the offload tier's rank side (offload/worker_side.py), when it is on
         self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
-        self.drafter: Any = None  # speculative decoding's model drafter (spec/draft_model.py), on the output rank
+        self.drafter: Any = None  # speculative decoding's model drafter (spec/), on the output rank
+        self.step_rows: dict[str, int] = {}
         self.block_tables = BlockTables(device=device)  # every running request's table, kept across steps
         # [rows] long on the device, by block-table row: the token the row's request sampled last;
         # valid for the requests in _has_sampled (a dropped row's value is stale)
@@ -135,6 +136,10 @@ class ModelRunner:
         verifies = [c for c in scheduler_output.chunks if c.is_verify]
         prefills = [c for c in scheduler_output.chunks if not (is_decode(c) or c.is_verify)]
         rows = [tables.apply(c) for c in decodes + verifies + prefills]
+        self.step_rows, start = {}, 0  # each chunk's first flat row (an Eagle3 drafter reads its taps)
+        for chunk in decodes + verifies + prefills:
+            self.step_rows[chunk.request_id] = start
+            start += chunk.num_tokens
         self._grow_last_sampled()
         host, sample_chunks, prompt_plan = self._host_arrays(decodes, verifies, prefills, rows)
         dev = to_device(self.device, host)
@@ -271,7 +276,7 @@ class ModelRunner:
         """The output with the model drafter's proposals for the requests it sampled (if there is one)."""
         if self.drafter is None:
             return output
-        drafts = self.drafter.propose(scheduler_output, output, self.block_tables)
+        drafts = self.drafter.propose(scheduler_output, output, self)
         return dataclasses.replace(output, draft_token_ids=drafts)
 
     def _copy_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -193,6 +193,8 @@ class Worker:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
         elif self.dcp is not None:
             logger.info("decode runs without CUDA graphs under decode context parallelism (not captured yet)")
+        elif self.model.tap_layer_ids:
+            logger.info("decode runs without CUDA graphs with an Eagle3 drafter (its taps are not captured in graphs)")
         elif self.device.type == "cuda" and not self.engine_config.enforce_eager:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
 
@@ -201,15 +203,25 @@ class Worker:
         which samples): one model on one rank, its caches beside the target's."""
         spec = self.engine_config.speculative_config
         parallel = self.parallel
-        if (self.engine_config.num_speculative_tokens == 0 or spec.method != "draft_model"
-                or not parallel.is_last_stage or parallel.tensor_parallel_rank != 0):
+        if self.engine_config.num_speculative_tokens == 0 or spec.method == "ngram":
+            return
+        output_rank = parallel.is_last_stage and parallel.tensor_parallel_rank == 0
+        cfg = self.engine_config
+        max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        assert self.runner is not None and self.model is not None
+        if spec.method == "eagle3":
+            from deltaserve.spec.eagle3_drafter import Eagle3Drafter, load_eagle3_head
+
+            head = load_eagle3_head(spec.model, self.model_config, self.dtype, self.device)
+            self.model.tap_layer_ids = head.config.tap_layer_ids  # every stage captures (and relays) its taps
+            if output_rank:
+                self.runner.drafter = Eagle3Drafter(head, spec.num_speculative_tokens, max_model_len)
+            return
+        if not output_rank:
             return
         from deltaserve.spec.draft_model import DraftModelRunner
 
         model = load_draft_model(spec.model, self.model_config, self.dtype, self.device, self.engine_config.seed)
-        cfg = self.engine_config
-        max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        assert self.runner is not None
         # past the target's ids: the scratch block and slot that CUDA-graph padding writes to
         self.runner.drafter = DraftModelRunner(
             model, spec.num_speculative_tokens, cfg.block_size, plan.num_blocks + 1, plan.num_state_slots + 1,
