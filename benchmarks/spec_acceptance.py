@@ -1,0 +1,111 @@
+"""The gain side of speculative decoding on the trained default models (issue 19): acceptance per position,
+mean acceptance length and output tokens/s with speculation off and on, per method, at each batch size.
+
+Prompts are the accuracy gate's held-out windows (`reference.json`: the first --prompt-len tokens of each)
+and, for a copy-heavy workload, the same prompts written out twice (n-gram lookup's best case). Every run
+is greedy, and its tokens are checked against the run without speculation (lossless) before they count.
+tok/s is output tokens over the wall time of `LLM.generate`, after one untimed warm-up call per engine.
+
+Usage (the default trained target, draft and eagle3 head; CPU or GPU):
+  python benchmarks/spec_acceptance.py --batches 1,16 --k 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+from host_step_time import machine
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.eval.reference import load_reference
+from deltaserve.model_files.default_model import installed_trained_dir, reference_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def methods(k: int) -> dict[str, dict | None]:
+    return {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "draft_model": {"method": "draft_model", "model": installed_trained_dir("draft"), "num_speculative_tokens": k},
+        "eagle3": {"method": "eagle3", "model": installed_trained_dir("eagle3"), "num_speculative_tokens": k},
+    }
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    windows = load_reference(reference_path()).inputs.windows
+    natural = [w[: args.prompt_len] for w in windows]
+    workloads = {"natural": natural, "copy": [p + p for p in natural]}
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    print(f"{'workload':>8} {'method':>11} {'batch':>5} {'tok/s':>8} {'speedup':>7} {'accept':>6} {'mean len':>8} "
+          "per position", flush=True)
+    for method, spec in methods(args.k).items():
+        llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=max(batches))
+        run(llm, natural[:2], 8)  # warm-up
+        for workload, prompts in workloads.items():
+            for batch in batches:
+                chosen = [prompts[i % len(prompts)] for i in range(batch)]
+                before = llm.get_metrics().get("spec_decode")
+                tokens, seconds = run(llm, chosen, args.max_tokens)
+                after = llm.get_metrics().get("spec_decode")
+                key = (workload, batch)
+                row = {"workload": workload, "method": method, "batch": batch,
+                       "tok_per_s": batch * args.max_tokens / seconds, "tokens": tokens}
+                if after is not None:
+                    drafts = after["num_drafts"] - before["num_drafts"]
+                    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+                    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    per_pos = [a - (before["accepted_per_position"][j] if j < len(before["accepted_per_position"])
+                                    else 0) for j, a in enumerate(after["accepted_per_position"])]
+                    row.update(num_drafts=drafts, acceptance_rate=accepted / drafted if drafted else 0.0,
+                               mean_acceptance_length=1 + accepted / drafts if drafts else 1.0,
+                               accepted_per_position=[p / drafts if drafts else 0.0 for p in per_pos])
+                rows.append(row)
+                base = next(r for r in rows if r["method"] == "off" and (r["workload"], r["batch"]) == key)
+                if row["tokens"] != base["tokens"]:
+                    raise SystemExit(f"{method} {workload} batch {batch}: tokens differ from the run without "
+                                     "speculation (greedy must be lossless)")
+                row["speedup"] = row["tok_per_s"] / base["tok_per_s"]
+                per_position = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))
+                print(f"{workload:>8} {method:>11} {batch:>5} {row['tok_per_s']:8.1f} {row['speedup']:7.2f} "
+                      f"{row.get('acceptance_rate', 0):6.2f} {row.get('mean_acceptance_length', 1):8.2f} "
+                      f"{per_position}", flush=True)
+        llm.llm_engine.shutdown()
+    for row in rows:
+        del row["tokens"]
+    today = datetime.date.today().isoformat()
+    info = machine(None)
+    info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    result = {"date": today, **info, "args": vars(args), "rows": rows,
+              "what": "greedy outputs of the trained default target with speculation off and on (checked equal); "
+                      "acceptance per position = share of verify windows whose draft j was accepted"}
+    path = args.out or os.path.join(HERE, "results", f"spec_acceptance_{today}_{info['device'].split()[0]}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
