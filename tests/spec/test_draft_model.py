@@ -74,3 +74,20 @@ def test_refusals(dirs):
         LLM(model=dirs[0], **COMMON, speculative_config=spec("random:small", 2))
     with pytest.raises(ValueError, match="needs \"model\""):
         LLM(model=dirs[0], **COMMON, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def test_an_abort_mid_run_frees_everything(dirs):
+    llm = LLM(model=dirs[0], **COMMON, speculative_config=spec(dirs[1], 3))
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts()):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy())
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(["r1", "r3"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)
+    drafter = engine.core.executor.worker.runner.drafter if hasattr(engine.core.executor, "worker") else None
+    if drafter is not None:  # the drafter forgets the aborted requests when the next step names them
+        llm.generate([{"prompt_token_ids": prompts()[0]}], greedy(2), use_tqdm=False)
+        assert not {"r1", "r3"} & set(drafter.known.tokens)

@@ -87,3 +87,19 @@ def test_a_head_that_does_not_fit_the_target_is_refused(dirs, tmp_path):
     save_eagle3(head, str(tmp_path), torch.float32)
     with pytest.raises(ValueError, match="target_hidden_size"):
         LLM(model=dirs[0], **COMMON, speculative_config=spec(str(tmp_path)))
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_eagle3_k_with_chunked_prefill_preemption_and_an_abort(dirs, reference, k):
+    llm = LLM(model=dirs[0], **{**COMMON, "max_num_batched_tokens": 20, "num_kv_blocks": 9},
+              speculative_config=spec(dirs[1], k))
+    assert run(llm, prompts()) == reference
+    assert llm.get_metrics()["scheduler"]["num_preemptions"] > 0
+    engine = llm.llm_engine
+    engine.add_request("gone", {"prompt_token_ids": prompts()[1]}, greedy())
+    for _ in range(5):
+        engine.step()
+    engine.abort_request(["gone"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)
