@@ -1,4 +1,4 @@
-"""Speculative decoding under pipeline and tensor parallelism (the multi-process executor, gloo on the
+"""Speculative decoding under pipeline, tensor and decode context parallelism (the multi-process executor, gloo on the
 CPU): every stage runs the verify windows for its own KDA layers and rolls its own spare slots back when
 the next step brings the accept counts; greedy tokens equal the single-process engine without speculation.
 One engine per world, module-scoped: its rank processes start once and the fixture stops them."""
@@ -18,6 +18,8 @@ WORLDS = {
     "pp2": {"pipeline_parallel_size": 2, "pp_max_inflight": 2},
     "tp2": {"tensor_parallel_size": 2},
 }
+# decode context parallelism: a verify window's MLA runs as a prefill chunk over the striped latents
+NGRAM_ONLY = {"tp2_dcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +45,10 @@ def reference(model_dir):
     return run(llm, prompts, params)
 
 
-@pytest.fixture(scope="module", params=sorted(WORLDS))
+@pytest.fixture(scope="module", params=sorted(WORLDS) + sorted(NGRAM_ONLY))
 def world(request, model_dir):
     llm = LLM(model=model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-              **COMMON, **WORLDS[request.param])
+              **COMMON, **{**WORLDS, **NGRAM_ONLY}[request.param])
     yield request.param, llm
     llm.llm_engine.shutdown()
 
