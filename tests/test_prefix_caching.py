@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model_dir, **options):
-    options = dict(dtype="float32", device="cpu", block_size=BS, max_num_batched_tokens=96, **options)
+    options = {"dtype": "float32", "device": "cpu", "block_size": BS, "max_num_batched_tokens": 96, **options}
     return LLM(model=model_dir, **options)
 
 
@@ -178,3 +178,26 @@ def test_a_kv_cache_smaller_than_the_context_caps_max_model_len(model_dir):
     (out,) = llm.generate([{"prompt_token_ids": random_prompts([120], 320, seed=9)[0]}], greedy(30), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
     assert_nothing_held(llm)
+
+
+def test_checkpoints_are_captured_inside_a_chunk(model_dir):
+    """A 300-token prompt with rungs every 64 tokens runs as one forward pass (its first step samples), its
+    rungs and prompt-end anchor captured inside that chunk; a prompt sharing 200 of its tokens resumes
+    from the rung at 192 with the tokens of an engine without caching."""
+    on = make_llm(model_dir, state_checkpoint_interval=64, max_num_batched_tokens=512)
+    first, tail = random_prompts([300, 40], 320, seed=7)
+    engine = on.llm_engine
+    engine.add_request("a", {"prompt_token_ids": first}, greedy(4))
+    outputs = engine.step()
+    assert [o.request_id for o in outputs if o.outputs[0].token_ids] == ["a"]  # one pass before the first token
+    filed = on.get_metrics()["checkpoints"]["filed"]
+    assert filed.get("rung", 0) == 3 and filed.get("prompt_end", 0) == 1, filed  # rungs 64, 128, 192; anchor 256
+    while engine.has_unfinished_requests():
+        engine.step()
+    second = first[:200] + tail
+    got = on.generate({"prompt_token_ids": second}, greedy(), use_tqdm=False)[0]
+    assert got.num_cached_tokens == 192
+    off = make_llm(model_dir, enable_prefix_caching=False)
+    want = off.generate({"prompt_token_ids": second}, greedy(), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert_nothing_held(on)

@@ -126,23 +126,25 @@ class PrefixCache:
         while len(self._demand) > MAX_DEMANDS:
             self._demand.popitem(last=False)
 
-    def next_boundary(self, request: Request, start: int, end: int) -> tuple[int, CheckpointKind] | None:
-        """The first grid point b in (start, end] where computing [start, end) should file a checkpoint."""
+    def boundaries(self, request: Request, start: int, end: int) -> list[tuple[int, CheckpointKind]]:
+        """The grid points b in (start, end], in order, where computing [start, end) should file a
+        checkpoint, each with its kind."""
         bs, grid = self.block_size, self.grid
         prompt_end = request.num_prompt_tokens // grid * grid
         hashes = self.block_hashes(request)
+        found = []
         b = (start // grid + 1) * grid
         while b <= end:
             h = hashes[b // bs - 1] if b // bs <= len(hashes) else None
             if h is not None and self.checkpoints.get(h) is None:
                 if b == prompt_end:
-                    return b, CheckpointKind.PROMPT_END
-                if b < request.num_prompt_tokens and b % self.checkpoint_interval == 0:
-                    return b, CheckpointKind.RUNG
-                if h in self._demand:
-                    return b, CheckpointKind.DEMAND
+                    found.append((b, CheckpointKind.PROMPT_END))
+                elif b < request.num_prompt_tokens and b % self.checkpoint_interval == 0:
+                    found.append((b, CheckpointKind.RUNG))
+                elif h in self._demand:
+                    found.append((b, CheckpointKind.DEMAND))
             b += grid
-        return None
+        return found
 
     def file(self, request: Request, num_tokens: int, kind: CheckpointKind) -> Checkpoint | None:
         """Reserve a checkpoint at boundary `num_tokens` of this request (None: exists or no room)."""

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
+from deltaserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptLogprobTargets
 
 
 class RequestStatus(enum.IntEnum):
@@ -106,6 +106,18 @@ class Request:
         can have ended the request with them (a stop token still may: that step's output is dropped)."""
         return (self.num_output_tokens + self.num_pending_outputs < self.max_tokens
                 and self.num_tokens_with_pending < max_model_len)
+
+    def take_prompt_logprob_targets(self, start: int, end: int) -> PromptLogprobTargets | None:
+        """The prompt tokens a chunk [start, end) gives logprobs for: those after the positions it computes
+        that no earlier step (of this life or one before a preemption) was scheduled for; marks them taken."""
+        if not self.prompt_logprobs:
+            return None
+        first = max(start, self.num_prompt_logprob_rows)
+        stop = min(end, self.num_prompt_tokens - 1)  # position P - 1 samples: it has no prompt target
+        if first >= stop:
+            return None
+        self.num_prompt_logprob_rows = stop
+        return PromptLogprobTargets(first - start, self.prompt_token_ids[first + 1 : stop + 1])
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Token ids [start, stop) of prompt + output; PLACEHOLDER_TOKEN_ID past the known tokens."""

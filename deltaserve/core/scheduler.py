@@ -8,8 +8,9 @@ running request cannot get the blocks it needs, the latest-arrived running reque
 its blocks and state slots are freed and it is recomputed later, because a KDA state cannot be
 rewound (with prefix caching it resumes from its latest checkpoint).
 
-With prefix caching (`prefix_cache` given) a request starts from the joint KV + state hit, chunks
-end on checkpoint boundaries so the state there can be saved right after the chunk, and each
+With prefix caching (`prefix_cache` given) a request starts from the joint KV + state hit, a chunk
+files the checkpoints on its way (the state at its end saved right after it, those inside it captured
+by the KDA layers during the same forward pass: `ScheduledChunk.state_captures`), and each
 running request holds a second "boundary" slot with its state at the last block boundary it
 crossed while decoding, filed as the end-of-sequence checkpoint when it finishes. A request that
 still owes prompt logprobs reads no hit: its prompt is computed for the logits at every position.
@@ -60,7 +61,6 @@ from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler_invariants import check_scheduler_invariants
 from deltaserve.core.scheduler_output import (
     NewRequestData,
-    PromptLogprobTargets,
     ScheduledChunk,
     SchedulerOutput,
     StateCopy,
@@ -361,9 +361,9 @@ class Scheduler:
                 continue
             drafts = self._drafts(request, budget)
             if drafts:
-                num_new, kind = 1 + len(drafts), None  # nothing is filed inside a verify window
+                num_new, kind, captures = 1 + len(drafts), None, []  # nothing is filed inside a verify window
             else:
-                num_new, kind = self._chunk_length(request, request.num_computed_tokens, budget)
+                num_new, kind, captures = self._chunk_length(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -379,7 +379,7 @@ class Scheduler:
                         break
             if table is None:
                 break
-            self._schedule_chunk(request, num_new, table, out, kind, record, drafts)
+            self._schedule_chunk(request, num_new, table, out, kind, record, drafts, captures)
             budget -= num_new
             i += 1
 
@@ -403,7 +403,7 @@ class Scheduler:
                     if not self._admit_tier_load(request, tier_hit, hit.num_tokens, out):
                         break
                     continue
-            num_new, kind = self._chunk_length(request, hit.num_tokens, budget)
+            num_new, kind, captures = self._chunk_length(request, hit.num_tokens, budget)
             reserve = self._readmission_reserve(request)
             if not self.kv_cache_manager.can_allocate(request.request_id,
                                                       self._with_lookahead(hit.num_tokens + num_new) + reserve,
@@ -430,7 +430,7 @@ class Scheduler:
                 out.new_requests.append(
                     NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
                 )
-            self._schedule_chunk(request, num_new, table, out, kind, record)
+            self._schedule_chunk(request, num_new, table, out, kind, record, captures=captures)
             budget -= num_new
 
         self._commit_and_publish(record, out)
@@ -594,15 +594,19 @@ class Scheduler:
         assert self.prefix_cache is not None
         return self.prefix_cache.checkpoints.get(cp.block_hash) is cp
 
-    def _chunk_length(self, request: Request, start: int, budget: int) -> tuple[int, CheckpointKind | None]:
-        """Tokens to compute from `start`: what is left, within the budget, ending on the first
-        checkpoint boundary on the way; and the kind of checkpoint to file at the chunk's end."""
+    def _chunk_length(self, request: Request, start: int, budget: int,
+                      ) -> tuple[int, CheckpointKind | None, list[tuple[int, CheckpointKind]]]:
+        """Tokens to compute from `start` (what is left, within the budget), the kind of checkpoint to
+        file at the chunk's end, and the checkpoints to capture inside it: (grid point, kind) each, their
+        images taken during the same forward pass (`ScheduledChunk.state_captures`), so a checkpoint
+        never costs a pass of its own."""
         end = start + min(request.num_tokens_with_pending - start, budget)
-        if self.prefix_cache is not None and end > start:
-            boundary = self.prefix_cache.next_boundary(request, start, end)
-            if boundary is not None:
-                return boundary[0] - start, boundary[1]
-        return end - start, None
+        if self.prefix_cache is None or end <= start:
+            return end - start, None, []
+        points = self.prefix_cache.boundaries(request, start, end)
+        if points and points[-1][0] == end:
+            return end - start, points[-1][1], points[:-1]
+        return end - start, None, points
 
     def _readmission_reserve(self, request: Request) -> int:
         """Hysteresis for a preempted request: it comes back only with a block to spare for every
@@ -632,10 +636,10 @@ class Scheduler:
 
     def _schedule_chunk(
         self, request: Request, num_new: int, table: list[int], out: _StepBuilder, kind: CheckpointKind | None,
-        record: StepRecord, drafts: list[int] | None = None,
+        record: StepRecord, drafts: list[int] | None = None, captures: list[tuple[int, CheckpointKind]] = (),
     ) -> None:
         """Put tokens [computed, computed + num_new) of the request on the step; with drafts, its verify
-        window (the last known token, then the drafts)."""
+        window (the last known token, then the drafts); with captures, the checkpoints it files inside."""
         start = request.num_computed_tokens
         end = start + num_new
         slot = self.state_pool.slot_of(request.request_id)
@@ -643,6 +647,13 @@ class Scheduler:
         sent = self._sent_blocks.get(request.request_id)
         self._sent_blocks[request.request_id] = len(table)
         window = self._verify_window(request, start, len(drafts)) if drafts else None
+        state_captures = []
+        for point, point_kind in captures:
+            assert self.prefix_cache is not None
+            cp = self.prefix_cache.file(request, point, point_kind)
+            if cp is not None:
+                state_captures.append((point - start, tuple(cp.unit_ids)))
+                out.filed.append((cp, request))
         out.chunks.append(
             ScheduledChunk(
                 request_id=request.request_id,
@@ -653,8 +664,9 @@ class Scheduler:
                 state_slot=slot,
                 sample=end == request.num_tokens_with_pending or window is not None,
                 num_output_tokens=request.num_output_tokens + request.num_pending_outputs,
-                prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
+                prompt_logprob_targets=request.take_prompt_logprob_targets(start, end),
                 verify_state_slots=window.slots if window is not None else (),
+                state_captures=tuple(state_captures),
             )
         )
         if end == request.num_tokens_with_pending or window is not None:
@@ -680,19 +692,6 @@ class Scheduler:
             assert boundary_slot is not None
             out.copies_after.append(StateCopy(slot, boundary_slot))
             record.boundaries[request.request_id] = end
-
-    @staticmethod
-    def _prompt_logprob_targets(request: Request, start: int, end: int) -> PromptLogprobTargets | None:
-        """The prompt tokens chunk [start, end) gives logprobs for: those after the positions it
-        computes that no earlier step (of this life or one before a preemption) was scheduled for."""
-        if not request.prompt_logprobs:
-            return None
-        first = max(start, request.num_prompt_logprob_rows)
-        stop = min(end, request.num_prompt_tokens - 1)  # position P - 1 samples: it has no prompt target
-        if first >= stop:
-            return None
-        request.num_prompt_logprob_rows = stop
-        return PromptLogprobTargets(first - start, request.prompt_token_ids[first + 1 : stop + 1])
 
     def _commit_and_publish(self, record: StepRecord, out: _StepBuilder) -> None:
         """End of schedule(): this step's blocks become findable (committed up to each chunk's own end)

@@ -62,6 +62,10 @@ class ScheduledChunk:
     # speculative decoding: a verify window (the last known token, then drafts) writes the state after
     # token t into slot verify_state_slots[t] (the first is state_slot); () for any other chunk
     verify_state_slots: tuple[int, ...] = ()
+    # prefix caching: checkpoints filed inside the chunk, (tokens of the chunk before it, unit ids) each:
+    # the KDA state there is written into those units during the forward (the chunk's end is saved
+    # from its slot by state_saves_after, as before)
+    state_captures: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def is_verify(self) -> bool:

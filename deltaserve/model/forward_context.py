@@ -59,6 +59,9 @@ class ForwardContext:
     dcp: DCPLayout | None = None
     # speculative decoding's verify windows: their lengths on the host, [V + 1] offsets relative to row
     # D, and [V, max length] slots (the state after token t of window n goes to slot [n, t])
+    # prefix caching: per KDA prefill chunk, the checkpoints captured inside it, (tokens of the chunk before
+    # the point, the chunk's state slot, unit ids) each, in order; () when no chunk captures any
+    prefill_captures: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = ()
     num_verify_tokens: int = 0
     verify_seq_lens: tuple[int, ...] = ()
     verify_cu_seqlens: torch.Tensor | None = None

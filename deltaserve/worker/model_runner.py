@@ -174,6 +174,8 @@ class ModelRunner:
             prefill_sequences=tuple(prefill_sequences),
             prefill_cu_seqlens_cpu=torch.tensor(host["prefill_cu_seqlens"], dtype=torch.long),
             dcp=self.dcp,
+            prefill_captures=(tuple(tuple((offset, c.state_slot, units) for offset, units in c.state_captures)
+                                    for c in prefills) if any(c.state_captures for c in prefills) else ()),
             **verify_context(verifies, dev),
         )
         return PreparedStep(input_ids, ctx, dev["sample_rows"], dev["sample_table_rows"], sample_chunks,

@@ -22,6 +22,11 @@ class StateCheckpointStore:
         self.state_tensors = state_tensors
         self.unit_bytes = unit_bytes
         self.image_bytes = sum(t[0].numel() * t.element_size() for t in state_tensors)
+        self.offsets = []  # where each tensor's slot bytes start in an image
+        offset = 0
+        for t in state_tensors:
+            self.offsets.append(offset)
+            offset += t[0].numel() * t.element_size()
         device = state_tensors[0].device if state_tensors else torch.device("cpu")
         self.units = torch.zeros(num_units, unit_bytes, dtype=torch.uint8, device=device)
 
@@ -35,6 +40,18 @@ class StateCheckpointStore:
         padded[: image.numel()] = image
         index = self._index(unit_ids)
         self.units.index_copy_(0, index, padded.view(len(unit_ids), self.unit_bytes))
+
+    def save_part(self, tensor_index: int, slot: int, unit_ids: tuple[int, ...] | list[int]) -> None:
+        """Write one tensor's share of slot `slot`'s image (state_tensors[tensor_index]) into units
+        `unit_ids`, where `save` would put it: a KDA layer captures its conv window and its recurrent
+        state at a checkpoint inside a prefill chunk, each when that layer has computed it."""
+        part = self.state_tensors[tensor_index][slot].view(torch.uint8).reshape(-1)
+        done, start = 0, self.offsets[tensor_index]
+        while done < part.numel():
+            unit, inner = divmod(start + done, self.unit_bytes)
+            n = min(part.numel() - done, self.unit_bytes - inner)
+            self.units[unit_ids[unit], inner : inner + n].copy_(part[done : done + n])
+            done += n
 
     def load(self, unit_ids: list[int], slot: int) -> None:
         """Overwrite state slot `slot` with the image held in units `unit_ids`."""

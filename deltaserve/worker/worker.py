@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -178,6 +179,9 @@ class Worker:
             store = StateCheckpointStore(tensors, plan.num_checkpoint_units, plan.checkpoint_unit_bytes)
             assert self.runner is not None
             self.runner.state_store = store
+            for i, layer in enumerate(self.model.kda_layers()):  # checkpoints captured inside prefill chunks
+                layer.bind_captures(functools.partial(store.save_part, 2 * i),
+                                    functools.partial(store.save_part, 2 * i + 1))
         transfer = self.engine_config.kv_transfer_config
         if transfer is not None:
             self.kv_connector = KVConnectorWorker(transfer, self.parallel, bs,

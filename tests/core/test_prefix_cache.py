@@ -133,14 +133,17 @@ def assert_all_free(s):
     assert all(cp.pins == 0 for cp in s.prefix_cache.checkpoints._lru.values())
 
 
-def test_rungs_and_prompt_end_anchor_snap_chunks_and_save_after_them():
+def test_rungs_and_prompt_end_anchor_are_captured_inside_one_chunk():
     s = make(interval=16)
     s.add_request(request("a", range(1, 38)))
     outs = drain(s)
-    assert chunk_spans(outs, "a") == [(0, 16), (16, 32), (32, 36), (36, 37)]
+    assert chunk_spans(outs, "a") == [(0, 37)]  # one pass: no chunk ends at a checkpoint
     kinds = sorted((cp.num_tokens, cp.kind) for cp in s.prefix_cache.checkpoints._lru.values())
     assert kinds == [(16, CheckpointKind.RUNG), (32, CheckpointKind.RUNG), (36, CheckpointKind.PROMPT_END)]
-    assert sum(len(o.state_saves_after) for o in outs) == 3
+    (chunk,) = outs[0].chunks
+    units = {cp.num_tokens: tuple(cp.unit_ids) for cp in s.prefix_cache.checkpoints._lru.values()}
+    assert chunk.state_captures == ((16, units[16]), (32, units[32]), (36, units[36]))
+    assert sum(len(o.state_saves_after) for o in outs) == 0
     # a rung serves a prompt that shares the first 34 tokens only
     s.add_request(request("b", list(range(1, 35)) + [900, 901, 902]))
     out = s.schedule()
@@ -164,7 +167,8 @@ def test_every_checkpoint_sits_on_the_one_grid():
     assert s.prefix_cache.grid == 8
     s.add_request(request("a", range(1, 38), max_tokens=7))  # prompt 37: last grid point 32, not 36
     outs = drain(s)
-    assert chunk_spans(outs, "a")[:3] == [(0, 16), (16, 32), (32, 37)]
+    assert chunk_spans(outs, "a")[:2] == [(0, 37), (37, 38)]
+    assert [point for point, _ in outs[0].chunks[0].state_captures] == [16, 32]
     kinds = sorted((cp.num_tokens, cp.kind.value) for cp in s.prefix_cache.checkpoints._lru.values())
     assert kinds == [(16, "rung"), (32, "prompt_end"), (40, "end_of_sequence")]  # decode reached 43
     with pytest.raises(ValueError, match="multiple of the checkpoint grid"):
@@ -222,7 +226,8 @@ def test_demand_checkpoint_fills_the_gap_for_the_next_request():
     b = s.get_request("b")
     assert b.num_cached_tokens == 0  # KV for [0, 20) is cached but no checkpoint sits at 20
     assert s.prefix_cache.stats.tokens_lost_to_missing_checkpoint == 20
-    assert chunk_spans([out], "b") == [(0, 20)]  # the chunk stops at the demanded boundary
+    assert chunk_spans([out], "b") == [(0, 30)]
+    assert [point for point, _ in out.chunks[0].state_captures] == [20, 28]  # the demanded point, the anchor
     finish_step(s, out)
     drain(s)
     assert s.prefix_cache.checkpoints.stats.filed["demand"] == 1
@@ -239,10 +244,11 @@ def test_hit_never_covers_the_last_token():
     s.add_request(request("a", range(1, 17)))  # 16 tokens: anchor at 16
     drain(s)
     # the same prompt again: the anchor at 16 would cover the last token, so the hit could only be at 12,
-    # where no checkpoint is; that demand is recorded and b files one there
+    # where no checkpoint is; that demand is recorded and b captures one there
     s.add_request(request("b", range(1, 17)))
     outs = drain(s)
-    assert s.prefix_cache.stats.hit_tokens == 0 and chunk_spans(outs, "b") == [(0, 12), (12, 16)]
+    assert s.prefix_cache.stats.hit_tokens == 0 and chunk_spans(outs, "b") == [(0, 16)]
+    assert [point for point, _ in outs[0].chunks[0].state_captures] == [12]
     s.add_request(request("c", range(1, 17)))
     out = s.schedule()
     (chunk,) = out.chunks

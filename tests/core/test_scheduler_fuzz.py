@@ -78,6 +78,10 @@ class FakeWorker:
             for i, token in enumerate(tokens):
                 block, offset = divmod(start + i, BS)
                 self.blocks[table[block]][offset] = token
+            for point, unit_ids in chunk.state_captures:  # checkpoints inside the chunk: the state there
+                assert 0 < point < len(tokens), f"{chunk.request_id}: capture at {point} of {len(tokens)}"
+                for u in unit_ids:
+                    self.units[u] = roll(state, tokens[:point])
             state = roll(state, tokens)
             self.slots[chunk.state_slot] = state
             if chunk.sample:

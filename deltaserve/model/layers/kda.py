@@ -18,6 +18,7 @@ from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.distributed import tp_all_reduce
 from deltaserve.model.forward_context import get_forward_context
 from deltaserve.model.layers.linear import Linear, sharded_param
+from deltaserve.model.layers.prefill_rounds import Capture, run_in_rounds
 from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
 from deltaserve.ops.kda import KDAGate, kda_decode, kda_prefill, kda_verify
 from deltaserve.ops.norm import gated_rms_norm
@@ -54,9 +55,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Linear(full_dim, hidden, parallel, dtype, "row")
         self.conv_state: torch.Tensor | None = None  # [slots, 3 * local_dim, W - 1]
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, K, V] float32
+        # prefix caching: write this layer's conv window / recurrent state in a slot into checkpoint units
+        self.capture_conv: Capture | None = None
+        self.capture_recurrent: Capture | None = None
 
     def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    def bind_captures(self, capture_conv: Capture, capture_recurrent: Capture) -> None:
+        """How a checkpoint inside a prefill chunk is taken (the state store's part of an image)."""
+        self.capture_conv, self.capture_recurrent = capture_conv, capture_recurrent
 
     def forget_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         """f_b(f_a(x)) before dt_bias: [T, H, K] in the model dtype. The decay itself,
@@ -81,7 +89,15 @@ class KimiDeltaAttention(nn.Module):
                 mixed[verify], self.qkv_conv_weight, self.conv_state, list(ctx.verify_seq_lens),
                 ctx.verify_state_indices,
             ))
-        if ctx.num_kda_prefills:
+        if ctx.num_kda_prefills and ctx.prefill_captures:
+            rows = mixed[first_prefill_row:]
+            conv_parts.append(run_in_rounds(
+                lambda xs, cu, _, slots, initial: causal_conv1d_prefill(
+                    xs[0], self.qkv_conv_weight, cu, self.conv_state, slots, initial),
+                [rows], ctx.prefill_cu_seqlens_cpu.tolist(), ctx.prefill_state_slots, ctx.prefill_has_initial_state,
+                ctx.prefill_captures, self.capture_conv, torch.empty_like(rows),
+            ))
+        elif ctx.num_kda_prefills:
             conv_parts.append(causal_conv1d_prefill(
                 mixed[first_prefill_row:],
                 self.qkv_conv_weight,
@@ -109,7 +125,16 @@ class KimiDeltaAttention(nn.Module):
                 q[verify], k[verify], v[verify], g[verify], beta[verify], self.scale, self.recurrent_state,
                 ctx.verify_cu_seqlens, list(ctx.verify_seq_lens), ctx.verify_state_indices, gate=gate_params,
             ))
-        if ctx.num_kda_prefills:
+        if ctx.num_kda_prefills and ctx.prefill_captures:
+            p = slice(first_prefill_row, None)
+            kda_parts.append(run_in_rounds(
+                lambda xs, cu, cu_cpu, slots, initial: kda_prefill(
+                    *xs, self.scale, cu, self.recurrent_state, slots, initial, gate=gate_params, cu_seqlens_cpu=cu_cpu),
+                [q[p], k[p], v[p], g[p], beta[p]], ctx.prefill_cu_seqlens_cpu.tolist(), ctx.prefill_state_slots,
+                ctx.prefill_has_initial_state, ctx.prefill_captures, self.capture_recurrent,
+                torch.empty(v[p].shape, dtype=torch.float32, device=v.device),
+            ))
+        elif ctx.num_kda_prefills:
             p = slice(first_prefill_row, None)
             kda_parts.append(kda_prefill(
                 q[p], k[p], v[p], g[p], beta[p], self.scale,
