@@ -16,6 +16,9 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--device", dict(default=None, help="cpu | cuda | cuda:N (default: cuda when available)")),
     ("--max-num-seqs", dict(type=int, default=EngineConfig.max_num_seqs)),
     ("--max-num-batched-tokens", dict(type=int, default=EngineConfig.max_num_batched_tokens)),
+    ("--max-prefill-tokens-with-decodes", dict(type=int, default=0,
+                                               help="prefill tokens a step may take while it also decodes (0: up "
+                                                    "to --max-num-batched-tokens): bounds TPOT under long prompts")),
     ("--block-size", dict(type=int, default=EngineConfig.block_size)),
     ("--max-model-len", dict(type=int, default=None)),
     ("--cache-memory", dict(default=None, help="bytes for KV cache + state pool, e.g. 2GiB")),

@@ -60,6 +60,9 @@ class EngineConfig:
     seed: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # prefill tokens a step may take while it also decodes (0: up to max_num_batched_tokens), so a long
+    # prompt's chunk slows the running requests' next token by a bounded amount
+    max_prefill_tokens_with_decodes: int = 0
     block_size: int = 16
     max_model_len: int | None = None
     cache_memory: int | str | None = None
@@ -129,6 +132,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError(f"max_prefill_tokens_with_decodes={self.max_prefill_tokens_with_decodes!r} must be a "
+                             "non-negative integer (0: no bound beyond max_num_batched_tokens)")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -86,11 +86,17 @@ class SchedulerConfig:
     # whether a step may decode on a placeholder (a token still in flight), which the worker fills from
     # the id it sampled; off under pipeline parallelism, where only the last stage holds that id
     decode_ahead: bool = True
+    # prefill tokens a step may take while it also decodes (0: up to max_num_batched_tokens): bounds how
+    # much a long prompt's chunk slows the running requests' next token
+    max_prefill_tokens_with_decodes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError(f"max_prefill_tokens_with_decodes={self.max_prefill_tokens_with_decodes} must be "
+                             ">= 0 (0: no bound beyond max_num_batched_tokens)")
 
 
 @dataclass
@@ -351,6 +357,11 @@ class Scheduler(TierScheduling):
         if self.offload is not None:
             self._plan_deferred_saves(record)
 
+        # prefill tokens this step may still take (a bound only while some running request decodes)
+        prefill_left = budget
+        if self.config.max_prefill_tokens_with_decodes and any(
+                r.num_tokens_with_pending - r.num_computed_tokens == 1 for r in self.running):
+            prefill_left = self.config.max_prefill_tokens_with_decodes
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -363,7 +374,10 @@ class Scheduler(TierScheduling):
             if drafts:
                 num_new, kind, captures = 1 + len(drafts), None, []  # nothing is filed inside a verify window
             else:
-                num_new, kind, captures = self._chunk_length(request, request.num_computed_tokens, budget)
+                is_prefill = request.num_tokens_with_pending - request.num_computed_tokens > 1
+                num_new, kind, captures = self._chunk_length(request, request.num_computed_tokens,
+                                                             min(budget, prefill_left) if is_prefill else budget)
+                prefill_left -= num_new if is_prefill else 0
             if num_new <= 0:
                 i += 1
                 continue
@@ -383,7 +397,7 @@ class Scheduler(TierScheduling):
             budget -= num_new
             i += 1
 
-        while (self.waiting and budget > 0 and not out.preempted
+        while (self.waiting and min(budget, prefill_left) > 0 and not out.preempted
                and len(self.running) + len(self.remote_waiting) + len(self.tier_waiting) < self.config.max_num_seqs):
             request = self.waiting[0]
             if self.state_pool.num_free < self.slots_per_request:
@@ -403,7 +417,7 @@ class Scheduler(TierScheduling):
                     if not self._admit_tier_load(request, tier_hit, hit.num_tokens, out):
                         break
                     continue
-            num_new, kind, captures = self._chunk_length(request, hit.num_tokens, budget)
+            num_new, kind, captures = self._chunk_length(request, hit.num_tokens, min(budget, prefill_left))
             reserve = self._readmission_reserve(request)
             if not self.kv_cache_manager.can_allocate(request.request_id,
                                                       self._with_lookahead(hit.num_tokens + num_new) + reserve,
@@ -432,6 +446,7 @@ class Scheduler(TierScheduling):
                 )
             self._schedule_chunk(request, num_new, table, out, kind, record, captures=captures)
             budget -= num_new
+            prefill_left -= num_new
 
         self._commit_and_publish(record, out)
         self.in_flight[record.step_id] = record

@@ -193,6 +193,7 @@ class EngineCore:
                 max_num_seqs=min(config.max_num_seqs, self.cache_plan.num_state_slots // slots_per_seq),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_model_len,
+                max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
                 # only the last stage knows a sampled token: under PP a decode waits for it; so does a
                 # verify window, for the tokens the previous one accepted
                 decode_ahead=config.pipeline_parallel_size == 1 and config.speculative_config is None,

@@ -238,3 +238,33 @@ def test_prompt_logprob_targets_are_scheduled_once_across_a_preemption():
     assert targets[1][:2] == (0, 2)  # the second life starts at 0 but owes only the rows from 2 on
     assert [t for _, _, ids in targets for t in ids] == list(range(2, 11))  # each prompt token once, in order
     assert_all_free(s)
+
+
+def test_prefill_tokens_are_bounded_while_requests_decode():
+    """max_prefill_tokens_with_decodes: a step that decodes takes at most that many prefill tokens (a long
+    prompt's chunks shrink while others decode, and take the whole budget when nothing decodes)."""
+    from deltaserve.core.kv_cache_manager import KVCacheManager
+    from deltaserve.core.kv_cache_spec import MLALatentSpec
+    from deltaserve.core.request import Request
+    from deltaserve.core.scheduler import Scheduler, SchedulerConfig
+    from deltaserve.core.state_pool import StateSlotPool
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                             max_prefill_tokens_with_decodes=16)
+    s = Scheduler(config, KVCacheManager(MLALatentSpec(16, 1, 8, 2), 64), StateSlotPool(8))
+    s.add_request(Request("short", [1, 2, 3], max_tokens=20))
+    out = s.schedule()  # nothing decodes yet: the short prompt whole
+    s.update_from_output(out, {"short": 7})
+    s.add_request(Request("long", list(range(1, 201)), max_tokens=2))
+    spans = []
+    for _ in range(4):
+        out = s.schedule()
+        spans.append({c.request_id: c.num_tokens for c in out.chunks})
+        s.update_from_output(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        s.check_invariants()
+    assert spans == [{"short": 1, "long": 16}] * 4
+    alone = Scheduler(config, KVCacheManager(MLALatentSpec(16, 1, 8, 2), 64), StateSlotPool(8))
+    alone.add_request(Request("long", list(range(1, 201)), max_tokens=2))
+    assert [c.num_tokens for c in alone.schedule().chunks] == [64]  # nothing decodes: the whole budget
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=-1)
