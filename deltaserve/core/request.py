@@ -77,6 +77,7 @@ class Request:
     tier_load_failed: bool = False
     # speculative decoding with a model drafter: the drafts its last step proposed for the next
     spec_token_ids: list[int] = field(default_factory=list)
+    draft_state: Any = None  # a drafter's scratch for this request (the n-gram drafter: its token array)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -221,7 +221,7 @@ class EngineCore:
         if spec.method == "ngram":
             ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
             return SpecDecodeScheduling(spec.num_speculative_tokens,
-                                        lambda request, n: ngram.propose(request.all_token_ids, n), grid)
+                                        ngram.propose_for, grid)
         # a model drafter proposes on the output rank after each step; its latents need k tokens of lookahead
         return SpecDecodeScheduling(spec.num_speculative_tokens, lambda request, n: request.spec_token_ids[:n], grid,
                                     lookahead=spec.num_speculative_tokens)

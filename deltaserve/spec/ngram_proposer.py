@@ -9,6 +9,7 @@ drafts, and the step decodes one token as usual. Pure host work on numpy arrays,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,20 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+
+    def propose_for(self, request: Any, max_drafts: int) -> list[int]:
+        """Drafts for a scheduler Request, its tokens kept in a growing array on the request
+        (`draft_state`), so a step converts only the tokens new since the last one, not the whole context."""
+        buffer, length = request.draft_state or (np.empty(0, dtype=np.int64), 0)
+        total = request.num_tokens
+        if total > buffer.shape[0]:
+            grown = np.empty(max(total, 2 * buffer.shape[0]), dtype=np.int64)
+            grown[:length] = buffer[:length]
+            buffer = grown
+        if total > length:
+            buffer[length:total] = request.token_slice(length, total)
+        request.draft_state = (buffer, total)
+        return self.propose(buffer[:total], max_drafts)
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int | None = None) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow `token_ids` (prompt + output so far)."""

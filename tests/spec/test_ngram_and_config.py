@@ -67,3 +67,15 @@ def test_config_defaults_and_parsing():
 def test_config_refusals_name_the_cause(value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SpeculativeConfig.parse(value)
+
+
+def test_propose_for_a_request_keeps_its_tokens_incrementally():
+    from deltaserve.core.request import Request
+
+    proposer = NgramProposer(3, 1, 3)
+    request = Request("r", [5, 6, 7, 8, 5, 6], max_tokens=10)
+    assert proposer.propose_for(request, 3) == proposer.propose(request.all_token_ids) == [7, 8, 5]
+    for token in (7, 8, 9, 5, 6, 7):  # outputs arrive; the array grows by what is new
+        request.output_token_ids.append(token)
+        assert proposer.propose_for(request, 3) == proposer.propose(request.all_token_ids)
+    assert request.draft_state[1] == request.num_tokens
