@@ -10,7 +10,8 @@ python3 -c "import torch, triton, transformers, fla; print('torch', torch.__vers
 if [ $# -eq 0 ]; then
   set -- tests/test_parity.py tests/distributed/test_multiproc_gpu.py tests/test_accuracy_gate.py \
     tests/test_prompt_logprobs.py tests/worker/test_model_runner.py tests/kv_transfer/test_pd_gpu.py \
-    tests/offload/test_rank_store.py tests/offload/test_offload_engine.py
+    tests/offload/test_rank_store.py tests/offload/test_offload_engine.py tests/spec/test_state_rollback.py \
+    tests/spec/test_spec_engine.py
 fi
 for test_file in "$@"; do
   log="$logs/$(basename "$test_file" .py).log"
