@@ -38,6 +38,8 @@ class Checkpoint:
     visible: bool = False  # later steps may load it (its save is scheduled)
     written: bool = False  # the worker reported the save: readers outside the step stream may use it
     pins: int = 0  # steps in flight that load it; a pinned checkpoint is never evicted
+    # its KV block was evicted before its save was reported: unfindable now, its units freed once written
+    doomed: bool = False
 
 
 @dataclass
@@ -81,6 +83,14 @@ class CheckpointPool:
     def bytes_in_use(self) -> int:
         return (self.num_units - len(self._free_units)) * self.unit_bytes
 
+    @property
+    def num_fileable(self) -> int:
+        """How many checkpoints `file` could reserve now: free units and those of evictable checkpoints
+        (written, unpinned)."""
+        units = len(self._free_units) + sum(len(cp.unit_ids) for cp in self._lru.values()
+                                            if cp.pins == 0 and cp.written)
+        return units // self.units_per_checkpoint
+
     def get(self, block_hash: BlockHash) -> Checkpoint | None:
         return self._lru.get(block_hash)
 
@@ -113,19 +123,38 @@ class CheckpointPool:
         self.stats.filed[kind.value] += 1
         return cp
 
+    def drop(self, block_hash: BlockHash) -> None:
+        """Its KV block is gone: the checkpoint can no longer be reached. A written one is freed now; one
+        whose save is still to run keeps its units until the save is reported (a step scheduled already
+        writes them), unfindable meanwhile."""
+        cp = self._lru.get(block_hash)
+        if cp is None:
+            return
+        if cp.written:
+            self.free(block_hash, evicted=True)
+            return
+        if cp.visible and self.on_change is not None:
+            self.on_change(block_hash, -1)
+        cp.visible, cp.doomed = False, True
+        self.stats.evicted[cp.kind.value] += 1
+
     def publish(self, block_hash: BlockHash) -> None:
         """The step that saves the image is scheduled: later steps may find it. Call after the KV
         blocks it stands on are committed."""
         cp = self._lru.get(block_hash)
-        if cp is not None and not cp.visible:
+        if cp is not None and not cp.visible and not cp.doomed:
             cp.visible = True
             if self.on_change is not None:
                 self.on_change(block_hash, +1)
 
     def mark_written(self, block_hash: BlockHash, checkpoint: Checkpoint) -> None:
-        """The worker reported this checkpoint's save (if it is still the one filed at that hash)."""
+        """The worker reported this checkpoint's save (if it is still the one filed at that hash); a
+        doomed one is freed now."""
         if self._lru.get(block_hash) is checkpoint:
-            checkpoint.written = True
+            if checkpoint.doomed:
+                self.free(block_hash)
+            else:
+                checkpoint.written = True
 
     def check_invariants(self, pins: dict[BlockHash, int]) -> None:
         """Raise AssertionError unless every unit is free or in exactly one checkpoint, and each

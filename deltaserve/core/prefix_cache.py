@@ -73,7 +73,7 @@ class PrefixCache:
         self.checkpoint_interval = checkpoint_interval
         self.stats = PrefixCacheStats()
         self._demand: OrderedDict[BlockHash, None] = OrderedDict()
-        kv.pool.on_drop = lambda h: checkpoints.free(h, evicted=True)
+        kv.pool.on_drop = checkpoints.drop
         checkpoints.on_change = kv.pool.add_servability
 
     def block_hashes(self, request: Request) -> list[BlockHash]:

@@ -393,7 +393,7 @@ class Scheduler(TierScheduling):
                         break
             if table is None:
                 break
-            self._schedule_chunk(request, num_new, table, out, kind, record, drafts, captures)
+            num_new = self._schedule_chunk(request, num_new, table, out, kind, record, drafts, captures)
             budget -= num_new
             i += 1
 
@@ -444,7 +444,7 @@ class Scheduler(TierScheduling):
                 out.new_requests.append(
                     NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
                 )
-            self._schedule_chunk(request, num_new, table, out, kind, record, captures=captures)
+            num_new = self._schedule_chunk(request, num_new, table, out, kind, record, captures=captures)
             budget -= num_new
             prefill_left -= num_new
 
@@ -570,6 +570,22 @@ class Scheduler(TierScheduling):
         lookahead = self.spec.lookahead if self.spec is not None else 0
         return min(num_tokens + lookahead, max(num_tokens, self.config.max_model_len))
 
+    def _fit_captures(self, captures: list[tuple[int, CheckpointKind]], start: int, num_new: int,
+                      kind: CheckpointKind | None, out: _StepBuilder,
+                      ) -> tuple[list[tuple[int, CheckpointKind]], int, CheckpointKind | None]:
+        """The captures, chunk length and end kind that file no more checkpoints than the pool can take
+        now (and the offload tier store without deferring): past that, the chunk ends at the last point
+        that fits (filed at its end as a chunk cut there always was), and the next step goes on."""
+        assert self.prefix_cache is not None
+        points = captures + ([(start + num_new, kind)] if kind is not None else [])
+        room = self.prefix_cache.checkpoints.num_fileable
+        if self.offload is not None:
+            room = min(room, self.offload.max_pending_saves - self.offload.num_pending_saves - len(out.filed))
+        if len(points) <= room:
+            return captures, num_new, kind
+        last, last_kind = points[max(room, 1) - 1]
+        return points[: max(room, 1) - 1], last - start, last_kind
+
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Speculative decoding: drafts for a request ready to decode (all but its last token computed,
         no step in flight for it); [] when it decodes plainly."""
@@ -587,23 +603,26 @@ class Scheduler(TierScheduling):
     def _schedule_chunk(
         self, request: Request, num_new: int, table: list[int], out: _StepBuilder, kind: CheckpointKind | None,
         record: StepRecord, drafts: list[int] | None = None, captures: list[tuple[int, CheckpointKind]] = (),
-    ) -> None:
+    ) -> int:
         """Put tokens [computed, computed + num_new) of the request on the step; with drafts, its verify
-        window (the last known token, then the drafts); with captures, the checkpoints it files inside."""
+        window (the last known token, then the drafts); with captures, the checkpoints it files inside.
+        Returns the tokens scheduled (fewer than num_new where the checkpoints to file do not fit now)."""
         start = request.num_computed_tokens
-        end = start + num_new
         slot = self.state_pool.slot_of(request.request_id)
         assert slot is not None
         sent = self._sent_blocks.get(request.request_id)
         self._sent_blocks[request.request_id] = len(table)
         window = self._verify_window(request, start, len(drafts)) if drafts else None
         state_captures = []
+        if captures:
+            captures, num_new, kind = self._fit_captures(captures, start, num_new, kind, out)
         for point, point_kind in captures:
             assert self.prefix_cache is not None
             cp = self.prefix_cache.file(request, point, point_kind)
             if cp is not None:
                 state_captures.append((point - start, tuple(cp.unit_ids)))
                 out.filed.append((cp, request))
+        end = start + num_new
         out.chunks.append(
             ScheduledChunk(
                 request_id=request.request_id,
@@ -628,10 +647,10 @@ class Scheduler(TierScheduling):
             record.verifies[request.request_id] = window
         pc = self.prefix_cache
         if pc is None:
-            return
+            return num_new
         record.commits.append((request, start + 1 if window is not None else end))  # drafts are never committed
         if window is not None or end % pc.grid:
-            return
+            return num_new
         if kind is not None:
             cp = pc.file(request, end, kind)
             if cp is not None:
@@ -642,6 +661,7 @@ class Scheduler(TierScheduling):
             assert boundary_slot is not None
             out.copies_after.append(StateCopy(slot, boundary_slot))
             record.boundaries[request.request_id] = end
+        return num_new
 
     def _commit_and_publish(self, record: StepRecord, out: _StepBuilder) -> None:
         """End of schedule(): this step's blocks become findable (committed up to each chunk's own end)

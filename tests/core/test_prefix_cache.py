@@ -303,3 +303,20 @@ def test_a_request_with_prompt_logprobs_reads_no_hit_but_files_for_others():
     assert chunk_spans(outs, "again")[0][0] == 0 and not any(o.state_loads for o in outs)
     assert s.get_request("again") is None and s.prefix_cache.stats.queries == 1
     assert_all_free(s)
+
+
+def test_a_checkpoint_whose_block_is_evicted_before_its_save_keeps_its_units_until_written():
+    """A KV block dropped while the step that saves its checkpoint is still in flight: the checkpoint is
+    unfindable at once, but its units are not handed to another checkpoint before that save is reported
+    (two saves into one unit in one step corrupted a state the tier fuzz loaded)."""
+    pool = CheckpointPool(1, unit_bytes=64, image_bytes=64)
+    a = pool.file(b"a" * 16, 8, CheckpointKind.RUNG)
+    pool.publish(a.block_hash)
+    pool.drop(a.block_hash)  # its block evicted before the save was reported
+    assert pool.lookup(a.block_hash) is None and a.doomed
+    assert pool.file(b"b" * 16, 8, CheckpointKind.RUNG) is None and pool.num_fileable == 0  # units still held
+    pool.publish(a.block_hash)
+    assert not a.visible  # never findable again
+    pool.mark_written(a.block_hash, a)  # the save is done: now the units go
+    assert pool.num_checkpoints == 0 and pool.num_free_units == 1 and pool.stats.evicted["rung"] == 1
+    assert pool.file(b"b" * 16, 8, CheckpointKind.RUNG) is not None
