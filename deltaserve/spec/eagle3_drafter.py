@@ -16,23 +16,40 @@ since every draft is verified).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 import torch
 
 from deltaserve.core.scheduler_output import SchedulerOutput
-from deltaserve.model.eagle3 import Eagle3Head, Eagle3KVCache, load_eagle3
+from deltaserve.model.eagle3 import CONFIG_FILE, Eagle3Config, Eagle3Head, Eagle3KVCache, load_eagle3
 from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
+def eagle3_tap_layers(model_dir: str, target_config: Any) -> tuple[int, ...]:
+    """The target layers whose input stream the head reads (its config only: what every stage needs)."""
+    return _checked_config(model_dir, target_config).tap_layer_ids
+
+
 def load_eagle3_head(model_dir: str, target_config: Any, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
     """The head, refused (ValueError naming the field) when it does not fit the target."""
-    head = load_eagle3(model_dir, device=device, dtype=dtype)
-    c = head.config
+    _checked_config(model_dir, target_config)
+    return load_eagle3(model_dir, device=device, dtype=dtype)
+
+
+def _checked_config(model_dir: str, target_config: Any) -> Eagle3Config:
+    path = os.path.join(model_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"speculative_config: no {CONFIG_FILE} in {model_dir!r}; is it an Eagle3 head directory?")
+    with open(path) as f:
+        raw = json.load(f)
+    raw.pop("torch_dtype", None)
+    c = Eagle3Config.from_dict(raw)
     if c.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config: the eagle3 head {model_dir!r} has vocab_size={c.vocab_size}, the "
                          f"target {target_config.vocab_size}")
@@ -43,7 +60,7 @@ def load_eagle3_head(model_dir: str, target_config: Any, dtype: torch.dtype, dev
     if any(i >= layers for i in c.tap_layer_ids):
         raise ValueError(f"speculative_config: the eagle3 head {model_dir!r} taps layers {list(c.tap_layer_ids)}, "
                          f"but the target has {layers} layers")
-    return head
+    return c
 
 
 class Eagle3Drafter:

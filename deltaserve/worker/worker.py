@@ -95,6 +95,43 @@ class Worker:
             model = load_model_from_dir(self.model_dir, self.model_config, self.parallel, self.dtype, self.device)
         self.model = model
         self.runner = ModelRunner(model, self.scheduler_block_size, self.device, self.dcp)
+        self._load_drafter()
+
+    def _load_drafter(self) -> None:
+        """Speculative decoding's model drafter, loaded before the caches are sized (its weights count):
+        an Eagle3 head on every rank (each stage captures the taps it owns; the output rank drafts), a
+        draft model on the output rank only (the last stage's first TP rank, which samples)."""
+        self.draft_weights: Any = None
+        spec = self.engine_config.speculative_config
+        if self.engine_config.num_speculative_tokens == 0 or spec.method == "ngram":
+            return
+        output_rank = self.parallel.is_last_stage and self.parallel.tensor_parallel_rank == 0
+        if spec.method == "eagle3":
+            from deltaserve.spec.eagle3_drafter import eagle3_tap_layers, load_eagle3_head
+
+            self.model.tap_layer_ids = eagle3_tap_layers(spec.model, self.model_config)
+            if output_rank:
+                self.draft_weights = load_eagle3_head(spec.model, self.model_config, self.dtype, self.device)
+        elif output_rank:
+            self.draft_weights = load_draft_model(spec.model, self.model_config, self.dtype, self.device,
+                                                  self.engine_config.seed)
+
+    def _draft_cache_share(self) -> float:
+        """A draft model's caches as a share of the target's on this rank: its latents per token, or twice
+        its state image per slot (its live rows, and scratch rows for drafting), against the target's."""
+        if not isinstance(self.draft_weights, KimiLinearForCausalLM):
+            return 0.0
+        draft, target = self.draft_weights, self.model
+        latent_bytes = self.model_config.latent_dim * self.dtype.itemsize
+        target_kv = len(target.mla_layers()) * latent_bytes
+        draft_kv = len(draft.mla_layers()) * draft.config.latent_dim * self.dtype.itemsize
+
+        def image(model: KimiLinearForCausalLM) -> int:
+            return sum(layer.num_heads * layer.head_dim**2 * 4 + 3 * layer.local_dim * (layer.conv_width - 1)
+                       * self.dtype.itemsize for layer in model.kda_layers())
+
+        shares = [draft_kv / target_kv if target_kv else 0.0, 2 * image(draft) / max(image(target), 1)]
+        return max(shares)
 
     @property
     def scheduler_block_size(self) -> int:
@@ -127,8 +164,9 @@ class Worker:
 
     def available_cache_bytes(self) -> int:
         """Bytes the caches may take: --cache-memory if given, else a share of free GPU memory; less a
-        P/D producer's MLA staging reserve."""
-        return self._cache_budget_bytes() - self.staging_reserve_bytes()
+        P/D producer's MLA staging reserve, and a draft model's caches."""
+        budget = self._cache_budget_bytes() - self.staging_reserve_bytes()
+        return int(budget / (1.0 + self._draft_cache_share()))  # the rest for a draft model's own caches
 
     def staging_reserve_bytes(self) -> int:
         """A P/D producer's MLA staging slots on this rank (kv_transfer/staging.py); 0 without staging."""
@@ -207,25 +245,19 @@ class Worker:
         which samples): one model on one rank, its caches beside the target's."""
         spec = self.engine_config.speculative_config
         parallel = self.parallel
-        if self.engine_config.num_speculative_tokens == 0 or spec.method == "ngram":
+        if self.draft_weights is None or not (parallel.is_last_stage and parallel.tensor_parallel_rank == 0):
             return
-        output_rank = parallel.is_last_stage and parallel.tensor_parallel_rank == 0
         cfg = self.engine_config
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        assert self.runner is not None and self.model is not None
+        assert self.runner is not None
         if spec.method == "eagle3":
-            from deltaserve.spec.eagle3_drafter import Eagle3Drafter, load_eagle3_head
+            from deltaserve.spec.eagle3_drafter import Eagle3Drafter
 
-            head = load_eagle3_head(spec.model, self.model_config, self.dtype, self.device)
-            self.model.tap_layer_ids = head.config.tap_layer_ids  # every stage captures (and relays) its taps
-            if output_rank:
-                self.runner.drafter = Eagle3Drafter(head, spec.num_speculative_tokens, max_model_len)
-            return
-        if not output_rank:
+            self.runner.drafter = Eagle3Drafter(self.draft_weights, spec.num_speculative_tokens, max_model_len)
             return
         from deltaserve.spec.draft_model import DraftModelRunner
 
-        model = load_draft_model(spec.model, self.model_config, self.dtype, self.device, self.engine_config.seed)
+        model = self.draft_weights
         # past the target's ids: the scratch block and slot that CUDA-graph padding writes to
         self.runner.drafter = DraftModelRunner(
             model, spec.num_speculative_tokens, cfg.block_size, plan.num_blocks + 1, plan.num_state_slots + 1,

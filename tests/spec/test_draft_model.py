@@ -91,3 +91,20 @@ def test_an_abort_mid_run_frees_everything(dirs):
     if drafter is not None:  # the drafter forgets the aborted requests when the next step names them
         llm.generate([{"prompt_token_ids": prompts()[0]}], greedy(2), use_tqdm=False)
         assert not {"r1", "r3"} & set(drafter.known.tokens)
+
+
+def test_the_draft_models_caches_come_out_of_the_cache_budget(dirs):
+    """The same cache_memory: the target's caches shrink by the draft model's share (its latents per token,
+    twice its state image per slot), so both fit the budget."""
+    plain = LLM(model=dirs[0], **COMMON, cache_memory="32MiB")
+    drafted = LLM(model=dirs[0], **COMMON, cache_memory="32MiB", speculative_config=spec(dirs[1], 3))
+    plain_plan, drafted_plan = plain.llm_engine.core.cache_plan, drafted.llm_engine.core.cache_plan
+    assert drafted_plan.num_blocks < plain_plan.num_blocks
+    worker = drafted.llm_engine.core.executor.worker
+    share = worker._draft_cache_share()
+    assert share == 1.0  # one MLA layer each: the same latents per token (and 2 x 1 KDA layer of 3 for the state)
+    drafter = worker.runner.drafter
+    draft_bytes = sum(t.numel() * t.element_size() for layer in drafter.model.mla_layers() for t in [layer.kv_cache])
+    draft_bytes += sum(t.numel() * t.element_size() for layer in drafter.model.kda_layers()
+                       for t in (layer.conv_state, layer.recurrent_state))
+    assert draft_bytes <= 32 * 2**20 - worker.available_cache_bytes() + 2**20
