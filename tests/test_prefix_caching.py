@@ -5,6 +5,7 @@ under a small cache, nothing leaked."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_reference import checkpoint_dir, random_prompts, tiny_hub_config
 
 from deltaserve import LLM, SamplingParams
@@ -201,3 +202,20 @@ def test_checkpoints_are_captured_inside_a_chunk(model_dir):
     want = off.generate({"prompt_token_ids": second}, greedy(), use_tqdm=False)[0]
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert_nothing_held(on)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_checkpoints_captured_inside_a_chunk(model_dir):
+    """On the GPU the rounds run fla's chunked kernel: a prompt resuming from a rung captured inside a
+    chunk gives the tokens of an engine without caching."""
+    cuda = {"dtype": "float32", "device": "cuda", "block_size": BS, "cache_memory": "64MiB"}
+    on = LLM(model=model_dir, **cuda, state_checkpoint_interval=64, max_num_batched_tokens=512)
+    first, tail = random_prompts([300, 40], 320, seed=7)
+    on.generate({"prompt_token_ids": first}, greedy(4), use_tqdm=False)
+    second = first[:200] + tail
+    got = on.generate({"prompt_token_ids": second}, greedy(), use_tqdm=False)[0]
+    assert got.num_cached_tokens == 192
+    on.llm_engine.shutdown()
+    off = LLM(model=model_dir, **cuda, enable_prefix_caching=False)
+    want = off.generate({"prompt_token_ids": second}, greedy(), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

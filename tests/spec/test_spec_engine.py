@@ -200,13 +200,18 @@ def test_cuda_verify_windows_with_fla(model_dir):
     """On the GPU, verify windows run fla's spec-decoding kernel (and the draft model its own caches):
     greedy tokens equal plain decoding's on the same device."""
     prompts = repetitive_prompts()
-    cuda = {"dtype": "float32", "device": "cuda", "block_size": BS, "max_num_batched_tokens": 96}
-    want = run(LLM(model=model_dir, **cuda), prompts, greedy())
+    cuda = {"dtype": "float32", "device": "cuda", "block_size": BS, "max_num_batched_tokens": 96,
+            "cache_memory": "64MiB"}
+    plain = LLM(model=model_dir, **cuda)
+    want = run(plain, prompts, greedy())
+    plain.llm_engine.shutdown()
     llm = LLM(model=model_dir, **cuda, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     llm.llm_engine.scheduler.spec.proposer = OracleDrafts(prompts, want)
     assert run(llm, prompts, greedy()) == want
     assert_counters_add_up(llm)
+    llm.llm_engine.shutdown()
     draft = LLM(model=model_dir, **cuda, speculative_config={"method": "draft_model", "model": model_dir,
                                                              "num_speculative_tokens": 3})
     assert run(draft, prompts, greedy()) == want
     assert draft.get_metrics()["spec_decode"]["acceptance_rate"] > 0.9
+    draft.llm_engine.shutdown()
