@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import time
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--cache-memory", default="1GiB", help="each engine's cache budget")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     windows = load_reference(reference_path()).inputs.windows
@@ -62,7 +64,8 @@ def main() -> None:
     print(f"{'workload':>8} {'method':>11} {'batch':>5} {'tok/s':>8} {'speedup':>7} {'accept':>6} {'mean len':>8} "
           "per position", flush=True)
     for method, spec in methods(args.k).items():
-        llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=max(batches))
+        llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=max(batches),
+                  cache_memory=args.cache_memory)
         run(llm, natural[:2], 8)  # warm-up
         for workload, prompts in workloads.items():
             for batch in batches:
@@ -93,6 +96,10 @@ def main() -> None:
                       f"{row.get('acceptance_rate', 0):6.2f} {row.get('mean_acceptance_length', 1):8.2f} "
                       f"{per_position}", flush=True)
         llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next engine sizes its caches from what is free
     for row in rows:
         del row["tokens"]
     today = datetime.date.today().isoformat()
