@@ -32,9 +32,9 @@ class ForwardContext:
 
     Shapes: T = tokens in the step, D = decoding sequences (their tokens are rows [0, D)), then
     speculative decoding's verify windows (V of them, rows [D, D + num_verify_tokens)), then the
-    prefill chunks (rows [D + num_verify_tokens, T)). MLA computes a verify window as a prefill chunk
-    with context (it is among `prefill_sequences`, first); KDA keeps the state after each of its
-    tokens (`verify_state_indices`).
+    prefill chunks (rows [D + num_verify_tokens, T)). MLA decodes every verify token as a row of its
+    own (`decode_block_tables` and `decode_seq_lens` cover rows [0, num_mla_decodes)); KDA keeps the
+    state after each of them (`verify_state_indices`).
     """
 
     num_tokens: int
@@ -42,13 +42,13 @@ class ForwardContext:
     slot_mapping: torch.Tensor  # [T] long: flat KV slot (block_id * block_size + offset) of each token
     # decode sequences
     decode_state_slots: torch.Tensor  # [D] long
-    decode_block_tables: torch.Tensor  # [D, max_blocks] long (padded)
-    decode_seq_lens: torch.Tensor  # [D] long: cached tokens including the new one
+    decode_block_tables: torch.Tensor  # [D + num_verify_tokens, max_blocks] long (padded): MLA's decode rows
+    decode_seq_lens: torch.Tensor  # [D + num_verify_tokens] long: cached tokens including the row's own
     # prefill chunks (for KDA, P of them: verify windows excluded)
     prefill_cu_seqlens: torch.Tensor  # [P + 1] long, relative to row D + num_verify_tokens
     prefill_state_slots: torch.Tensor  # [P] long
     prefill_has_initial_state: torch.Tensor  # [P] bool
-    prefill_sequences: tuple[PrefillSequence, ...]  # MLA's: the verify windows, then the P prefill chunks
+    prefill_sequences: tuple[PrefillSequence, ...]
     # an upper bound on decode_seq_lens known on the host (CUDA graphs: the model's context), so the MLA
     # decode kernel picks its split count without reading seq_lens back; None: the kernel finds it
     decode_max_seq_len: int | None = None
@@ -69,13 +69,16 @@ class ForwardContext:
 
     @property
     def num_prefills(self) -> int:
-        """Chunks MLA computes as prefills: verify windows included."""
         return len(self.prefill_sequences)
 
     @property
     def num_kda_prefills(self) -> int:
-        """Prefill chunks proper (KDA runs verify windows apart)."""
-        return len(self.prefill_sequences) - len(self.verify_seq_lens)
+        return len(self.prefill_sequences)
+
+    @property
+    def num_mla_decodes(self) -> int:
+        """Rows MLA decodes: the decode rows and every verify window's tokens."""
+        return self.num_decodes + self.num_verify_tokens
 
 
 _current: ForwardContext | None = None

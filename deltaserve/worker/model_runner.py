@@ -153,20 +153,21 @@ class ModelRunner:
         # [T] each token's chunk; output_size keeps repeat_interleave from reading the total back
         chunk_of_token = torch.repeat_interleave(dev["chunk_lens"], output_size=num_tokens)
         positions = torch.arange(num_tokens, device=self.device) + dev["position_offsets"][chunk_of_token]
-        prefill_sequences: list[PrefillSequence] = []  # MLA's: verify windows first
-        start = nd
-        for chunk, row in zip(verifies + prefills, rows[nd:], strict=True):
+        prefill_sequences: list[PrefillSequence] = []
+        start = nd + sum(c.num_tokens for c in verifies)
+        for chunk, row in zip(prefills, rows[nd + len(verifies):], strict=True):
             n = chunk.num_tokens
             needed = -(-(chunk.num_computed_tokens + n) // bs)
             prefill_sequences.append(PrefillSequence(start, n, chunk.num_computed_tokens, tables.blocks(row, needed)))
             start += n
-        max_blocks = max((tables.lengths[r] for r in rows[:nd]), default=1)
+        # MLA decodes the verify windows' tokens too, one row each (the decode rows, then every window token)
+        max_blocks = max((tables.lengths[r] for r in rows[: nd + len(verifies)]), default=1)
         ctx = ForwardContext(
             num_tokens=num_tokens,
             num_decodes=nd,
             slot_mapping=self._slot_mapping(dev["chunk_rows"][chunk_of_token], positions),
             decode_state_slots=dev["decode_state_slots"],
-            decode_block_tables=tables.gather(dev["chunk_rows"][:nd], max_blocks),
+            decode_block_tables=tables.gather(dev["mla_decode_rows"], max_blocks),
             decode_seq_lens=dev["decode_seq_lens"],
             prefill_cu_seqlens=dev["prefill_cu_seqlens"],
             prefill_state_slots=dev["prefill_state_slots"],
@@ -233,6 +234,11 @@ class ModelRunner:
         host["new_block_index"], host["new_block_ids"] = self.block_tables.pending()
         host["decode_state_slots"] = [c.state_slot for c in decodes]
         host["decode_seq_lens"] = [c.num_computed_tokens + 1 for c in decodes]
+        host["mla_decode_rows"] = rows[: len(decodes)]
+        for chunk, row in zip(verifies, rows[len(decodes):], strict=False):  # a window token: its own length
+            first = chunk.num_computed_tokens + 1
+            host["decode_seq_lens"] += range(first, first + chunk.num_tokens)
+            host["mla_decode_rows"] += [row] * chunk.num_tokens
         host["prefill_cu_seqlens"] = cu
         host["prefill_state_slots"] = [c.state_slot for c in prefills]
         host["prefill_has_initial_state"] = [int(c.num_computed_tokens > 0) for c in prefills]
@@ -302,7 +308,8 @@ class ModelRunner:
         step = self.prepare(scheduler_output)
         ctx = step.context
         graphs = self.decode_graphs
-        if graphs is not None and ctx.num_prefills == 0 and graphs.graph_size(ctx.num_decodes) is not None:
+        if (graphs is not None and ctx.num_prefills == 0 and ctx.num_verify_tokens == 0
+                and graphs.graph_size(ctx.num_decodes) is not None):
             rows, to_logits = graphs.run(step.input_ids, ctx), torch.Tensor.float  # logits of every decode row
             logits = rows[step.sample_rows]
         else:

@@ -81,7 +81,7 @@ class MultiheadLatentAttention(nn.Module):
         write_latents(self.kv_cache, ctx.slot_mapping, entries)
 
         out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
-        nd = ctx.num_decodes
+        nd = ctx.num_mla_decodes
         if nd:
             w_uk, w_uv = self._up_projections()
             q_nope, q_pe = q[:nd].split([self.nope_dim, self.rope_dim], dim=-1)
