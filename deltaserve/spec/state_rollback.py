@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.conv.naive import causal_conv1d_decode
+from deltaserve.ops.conv.naive import _activation, _taps
 from deltaserve.ops.kda.naive import recurrent_kda_step
 
 
@@ -67,7 +67,9 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
                          state_indices: torch.Tensor, num_accepted: torch.Tensor,
                          activation: str | None = "silu") -> torch.Tensor:
     """The short convolution over N sequences of T tokens, the window after token t stored in slot
-    state_indices[n, t] (read from state_indices[n, num_accepted[n] - 1]).
+    state_indices[n, t] (read from state_indices[n, num_accepted[n] - 1]). Every position at once: the
+    window followed by the T inputs, cut into T frames of W taps (token t's output, and the frame's last
+    W - 1 inputs as the window after it), the same products and sums as `causal_conv1d_decode` per token.
 
     Args:
         x: [N, T, D]. weight: [D, W] (or [D, 1, W]).
@@ -76,20 +78,20 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
     Returns:
         y: [N, T, D], dtype of x.
     """
-    n, t = x.shape[:2]
+    n, t, d = x.shape
     _check_indices(state_indices, num_accepted, n, t)
+    act = _activation(activation)
+    taps = _taps(weight, d)  # [D, W] float32
     rows = torch.arange(n, device=state_indices.device)
     start = state_indices[rows, num_accepted.to(state_indices.device) - 1].to(conv_state_pool.device)
-    first = state_indices[:, 0].to(conv_state_pool.device)
-    # the window to start from, moved into the first position's slot (it is overwritten by token 0's)
-    conv_state_pool.index_copy_(0, first, conv_state_pool.index_select(0, start))
-    slots = state_indices.to(conv_state_pool.device)
-    outputs = []
-    for i in range(t):
-        if i:  # token i shifts the window token i - 1 left, in slot i
-            conv_state_pool.index_copy_(0, slots[:, i], conv_state_pool.index_select(0, slots[:, i - 1]))
-        outputs.append(causal_conv1d_decode(x[:, i], weight, conv_state_pool, slots[:, i], activation))
-    return torch.stack(outputs, dim=1)
+    windows = conv_state_pool.index_select(0, start).to(x.device).float()  # [N, D, W - 1]
+    full = torch.cat([windows, x.float().transpose(1, 2)], dim=-1)  # [N, D, W - 1 + T]
+    frames = full.unfold(-1, taps.shape[1], 1).contiguous()  # [N, D, T, W]: token t's inputs
+    y = (frames * taps[:, None, :]).sum(-1)  # [N, D, T]
+    after = frames[..., 1:].transpose(1, 2).reshape(n * t, d, -1)  # [N * T, D, W - 1]: the window after t
+    conv_state_pool.index_copy_(0, state_indices.reshape(-1).to(conv_state_pool.device),
+                                after.to(device=conv_state_pool.device, dtype=conv_state_pool.dtype))
+    return act(y).transpose(1, 2).to(x.dtype)
 
 
 def _groups_by_length(seq_lens: list[int]) -> dict[int, list[int]]:
