@@ -509,20 +509,12 @@ class Scheduler(TierScheduling):
             final = kv_output.remote_params.get(request_id)
             if final is not None:  # chunked transfer: the first token was learnt with the last part
                 request.remote_source = RemoteSource.from_params(final)
-            request.output_token_ids.append(request.remote_source.first_token_id)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = 0
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             update.remote_started.append(request)
-            if self.prefix_cache is not None:
-                self.kv_cache_manager.commit(request_id, self.prefix_cache.block_hashes(request),
-                                             request.num_prompt_tokens)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                update.finished.append(request)
+            self._append_token(request, request.remote_source.first_token_id, update)
         for request_id, reason in kv_output.failed_recving.items():
             request = self.remote_waiting.pop(request_id, None)
             if request is None:
@@ -733,19 +725,26 @@ class Scheduler(TierScheduling):
             update.applied.add(chunk.request_id)
             request.spec_token_ids = (draft_tokens or {}).get(chunk.request_id, [])
             for token in tokens:
-                request.output_token_ids.append(token)
                 if window is not None:
                     appended.append(token)
-                if pc is not None:  # blocks a placeholder completed: their hashes are known now
-                    self.kv_cache_manager.commit(request.request_id, pc.block_hashes(request),
-                                                 request.num_computed_tokens)
-                status = request.check_stop(self.config.max_model_len)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
-                    update.finished.append(request)
+                if self._append_token(request, token, update):
                     break
         return update
+
+    def _append_token(self, request: Request, token: int, update: StepUpdate) -> bool:
+        """Append a running request's next token, commit the blocks it completed (their hashes are known
+        now) and finish the request if the token stops it; returns whether it did."""
+        request.output_token_ids.append(token)
+        if self.prefix_cache is not None:
+            self.kv_cache_manager.commit(request.request_id, self.prefix_cache.block_hashes(request),
+                                         request.num_computed_tokens)
+        status = request.check_stop(self.config.max_model_len)
+        if status is None:
+            return False
+        self.running.remove(request)
+        self._finish(request, status)
+        update.finished.append(request)
+        return True
 
     # Invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -300,17 +300,22 @@ def save_eagle3(head: Eagle3Head, out_dir: str, dtype: torch.dtype = torch.bfloa
     return [CONFIG_FILE, WEIGHTS_FILE]
 
 
-def load_eagle3(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """An Eagle3Head from `save_eagle3`'s directory; missing or unexpected tensors are a ValueError."""
-    from safetensors.torch import load_file
-
+def read_eagle3_config(model_dir: str) -> Eagle3Config:
+    """The config of `save_eagle3`'s directory; ValueError when there is none."""
     path = os.path.join(model_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"eagle3: no {CONFIG_FILE} in {model_dir!r}; is this an Eagle3 head directory?")
     with open(path) as f:
         raw = json.load(f)
     raw.pop("torch_dtype", None)
-    head = Eagle3Head(Eagle3Config.from_dict(raw))
+    return Eagle3Config.from_dict(raw)
+
+
+def load_eagle3(model_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    """An Eagle3Head from `save_eagle3`'s directory; missing or unexpected tensors are a ValueError."""
+    from safetensors.torch import load_file
+
+    head = Eagle3Head(read_eagle3_config(model_dir))
     state = load_file(os.path.join(model_dir, WEIGHTS_FILE))
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -28,6 +28,7 @@ from deltaserve.model.forward_context import ForwardContext, PrefillSequence, se
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.block_tables import BlockTables
+from deltaserve.worker.model_runner import copy_slots
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
 
@@ -118,10 +119,8 @@ class DraftModelRunner:
         drafts = {r: [token] for r, token in first.items() if counts[r] >= 1}
         order = [r for r in drafts if counts[r] > 1]
         scratch = {r: self.scratch_base + i for i, r in enumerate(order)}
-        for layer in self.model.kda_layers():
-            for pool in (layer.conv_state, layer.recurrent_state):
-                for r in order:
-                    pool[scratch[r]].copy_(pool[slots[r]])
+        if order:
+            copy_slots(self.model, [slots[r] for r in order], [scratch[r] for r in order])
         long = {"dtype": torch.long, "device": self.device}
         for step in range(1, self.k):
             active = [r for r in order if counts[r] > step]

@@ -16,15 +16,13 @@ since every draft is verified).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import torch
 
 from deltaserve.core.scheduler_output import SchedulerOutput
-from deltaserve.model.eagle3 import CONFIG_FILE, Eagle3Config, Eagle3Head, Eagle3KVCache, load_eagle3
+from deltaserve.model.eagle3 import Eagle3Config, Eagle3Head, Eagle3KVCache, load_eagle3, read_eagle3_config
 from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
@@ -43,13 +41,7 @@ def load_eagle3_head(model_dir: str, target_config: Any, dtype: torch.dtype, dev
 
 
 def _checked_config(model_dir: str, target_config: Any) -> Eagle3Config:
-    path = os.path.join(model_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"speculative_config: no {CONFIG_FILE} in {model_dir!r}; is it an Eagle3 head directory?")
-    with open(path) as f:
-        raw = json.load(f)
-    raw.pop("torch_dtype", None)
-    c = Eagle3Config.from_dict(raw)
+    c = read_eagle3_config(model_dir)
     if c.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config: the eagle3 head {model_dir!r} has vocab_size={c.vocab_size}, the "
                          f"target {target_config.vocab_size}")
@@ -72,10 +64,6 @@ class Eagle3Drafter:
         # per request: the head's cache of step-0 entries, and the position its first entry stands for
         self.caches: dict[str, Eagle3KVCache] = {}
         self.first_position: dict[str, int] = {}
-
-    @property
-    def tap_layer_ids(self) -> tuple[int, ...]:
-        return self.head.config.tap_layer_ids
 
     def _forget(self, request_id: str) -> None:
         self.caches.pop(request_id, None)

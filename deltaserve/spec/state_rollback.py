@@ -17,6 +17,8 @@ j + 1 tokens leaves.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from deltaserve.ops.conv.naive import _activation, _taps
@@ -102,10 +104,17 @@ def _groups_by_length(seq_lens: list[int]) -> dict[int, list[int]]:
     return groups
 
 
-def _rows_of(starts: list[int], members: list[int], length: int, device: torch.device) -> torch.Tensor:
-    """[len(members) * length] long: the flat rows of those sequences, sequence-major."""
-    rows = [starts[m] + t for m in members for t in range(length)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+def _window_groups(seq_lens: list[int], state_indices: torch.Tensor, device: torch.device,
+                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per group of equal-length windows: (count, length, their flat rows [count * length] sequence-major,
+    their slots [count, length], num_accepted [count] of ones: each starts from its first slot)."""
+    starts = [sum(seq_lens[:n]) for n in range(len(seq_lens))]
+    for length, members in _groups_by_length(seq_lens).items():
+        rows = torch.tensor([starts[m] + t for m in members for t in range(length)], dtype=torch.long, device=device)
+        pick = torch.tensor(members, dtype=torch.long, device=state_indices.device)
+        indices = state_indices.index_select(0, pick)[:, :length]
+        ones = torch.ones(len(members), dtype=torch.long, device=state_indices.device)
+        yield len(members), length, rows, indices, ones
 
 
 def recurrent_kda_verify_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -120,14 +129,9 @@ def recurrent_kda_verify_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns:
         o: [T, H, V] in q's dtype.
     """
-    starts = [sum(seq_lens[:n]) for n in range(len(seq_lens))]
     o = q.new_empty(v.shape)
-    for length, members in _groups_by_length(seq_lens).items():
-        rows = _rows_of(starts, members, length, q.device)
-        pick = torch.tensor(members, dtype=torch.long, device=state_indices.device)
-        indices = state_indices.index_select(0, pick)[:, :length]
-        ones = torch.ones(len(members), dtype=torch.long, device=state_indices.device)
-        shaped = [t.index_select(0, rows).view(len(members), length, *t.shape[1:]) for t in (q, k, v, g, beta)]
+    for count, length, rows, indices, ones in _window_groups(seq_lens, state_indices, q.device):
+        shaped = [t.index_select(0, rows).view(count, length, *t.shape[1:]) for t in (q, k, v, g, beta)]
         out = recurrent_kda_verify(*shaped, scale, state_pool, indices, ones)
         o.index_copy_(0, rows, out.reshape(-1, *o.shape[1:]).to(o.dtype))
     return o
@@ -138,14 +142,9 @@ def causal_conv1d_verify_varlen(x: torch.Tensor, weight: torch.Tensor, conv_stat
                                 activation: str | None = "silu") -> torch.Tensor:
     """`causal_conv1d_verify` over verify windows packed back to back: x [T, D] -> y [T, D]; seq_lens
     and state_indices as for `recurrent_kda_verify_varlen`."""
-    starts = [sum(seq_lens[:n]) for n in range(len(seq_lens))]
     y = x.new_empty(x.shape)
-    for length, members in _groups_by_length(seq_lens).items():
-        rows = _rows_of(starts, members, length, x.device)
-        pick = torch.tensor(members, dtype=torch.long, device=state_indices.device)
-        indices = state_indices.index_select(0, pick)[:, :length]
-        ones = torch.ones(len(members), dtype=torch.long, device=state_indices.device)
-        out = causal_conv1d_verify(x.index_select(0, rows).view(len(members), length, -1), weight,
+    for count, length, rows, indices, ones in _window_groups(seq_lens, state_indices, x.device):
+        out = causal_conv1d_verify(x.index_select(0, rows).view(count, length, -1), weight,
                                    conv_state_pool, indices, ones, activation)
         y.index_copy_(0, rows, out.reshape(-1, x.shape[1]))
     return y

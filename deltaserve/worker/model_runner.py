@@ -290,10 +290,9 @@ class ModelRunner:
     def _copy_states(self, scheduler_output: SchedulerOutput) -> None:
         """Speculative decoding's rollbacks, before anything else reads a slot: the state a verify
         window accepted, from its spare slot into the live one (and into the boundary slot)."""
-        for copy in scheduler_output.state_copies_before:
-            for layer in self.model.kda_layers():
-                for pool in (layer.conv_state, layer.recurrent_state):
-                    pool[copy.dst_slot].copy_(pool[copy.src_slot])
+        copies = scheduler_output.state_copies_before
+        if copies:
+            copy_slots(self.model, [c.src_slot for c in copies], [c.dst_slot for c in copies])
 
     def _after_forward_state(self, scheduler_output: SchedulerOutput) -> None:
         """The step's checkpoint saves and copies after the forward, then the offload tier's saves of them."""
@@ -369,6 +368,20 @@ class ModelRunner:
             grown = self.last_sampled.new_zeros(rows)
             grown[:have] = self.last_sampled
             self.last_sampled = grown
+
+
+def copy_slots(model: KimiLinearForCausalLM, src: list[int], dst: list[int]) -> None:
+    """Every KDA layer's conv window and recurrent state from slots `src` into slots `dst`, all sources read
+    before any destination is written (two kernels a pool, whatever the number of copies)."""
+    layers = model.kda_layers()
+    if not layers:
+        return
+    device = layers[0].recurrent_state.device
+    src_index = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+    dst_index = torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True)
+    for layer in layers:
+        for pool in (layer.conv_state, layer.recurrent_state):
+            pool.index_copy_(0, dst_index, pool.index_select(0, src_index))
 
 
 def _output_tensors(result: StepResult) -> dict[str, torch.Tensor]:
