@@ -1,9 +1,10 @@
 """The cost side of speculative decoding: the engine-core step time of a verify step with k drafts per
 request (k = 1, 3, 5) against a plain decode step, at each batch size (issue 19).
 
-One engine is built with speculative_config k = max(--ks) (its spare state slots sized for that), and
-its drafter is replaced by one that drafts exactly k random tokens per request, k set per run (0: no
-drafts, a plain decode step, with CUDA graphs where the engine captures them; verify steps run eagerly).
+Each engine's drafter is replaced by one that drafts exactly k random tokens per request, k set per run
+(0: no drafts, a plain decode step, with CUDA graphs where the engine captures them). One engine is built per
+k (its verify graphs hold windows of k + 1 tokens); where it captured verify graphs, each k is timed
+with them and again eagerly (the graphs dropped), in the same engine.
 Random drafts are almost always rejected, so the steps timed are the verify forward, the rejection
 sampler and the scheduler's work, without the state rollback copies an accepted draft adds (one KDA
 state image per request, copied on the device before the next step).
@@ -45,6 +46,10 @@ class RandomDrafts:
         return [self.rng.randrange(3, self.vocab_size) for _ in range(min(self.k, n))]
 
 
+def ks_with_drafts(ks: list[int]) -> list[int]:
+    return [k for k in ks if k > 0] or [1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="random:tiny")
@@ -61,36 +66,47 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
 
-    config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
-        max_num_batched_tokens=max(8192, max(batches) * (max(ks) + 1)),
-        max_model_len=args.context + (args.steps + args.warmup + 40) * (max(ks) + 1),
-        enable_prefix_caching=False, cache_memory=args.cache_memory,
-        speculative_config={"method": "ngram", "num_speculative_tokens": max(max(ks), 1)},
-    )
-    engine = LLMEngine(config)
-    drafts = RandomDrafts(engine.model_config.vocab_size)
-    engine.core.scheduler.spec.proposer = drafts
-    rows = []
-    print(f"{'batch':>5} {'k':>3} {'median ms':>10} {'vs decode':>9} {'tokens/step':>11}", flush=True)
-    try:
-        for batch in batches:
-            base = None
-            for k in ks:
-                drafts.k = k
-                times = time_decode_steps(engine, batch, args.context, args.steps, args.warmup)
-                engine.abort_request([f"r{i}" for i in range(batch)])
-                while engine.core.has_unfinished_requests():
-                    engine.core.step()
-                median = statistics.median(times)
-                base = median if k == 0 else base
-                ratio = median / base if base else float("nan")
-                rows.append({"batch": batch, "k": k, "median_ms": median, "mean_ms": statistics.fmean(times),
-                             "min_ms": min(times), "steps": len(times), "vs_decode": ratio})
-                print(f"{batch:>5} {k:>3} {median:10.3f} {ratio:9.2f} {batch * (k + 1):>11}", flush=True)
-    finally:
-        device = engine.core.executor.device_name
-        engine.shutdown()
+    rows, device, decode_ms = [], "cpu", {}  # decode_ms: batch -> plain decode step (the first engine's)
+    print(f"{'batch':>5} {'k':>3} {'verify':>7} {'median ms':>10} {'vs decode':>9} {'tokens/step':>11}", flush=True)
+    for k in ks_with_drafts(ks):  # one engine per k: its verify graphs hold windows of k + 1
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
+            max_num_batched_tokens=max(8192, max(batches) * (k + 1)),
+            max_model_len=args.context + (args.steps + args.warmup + 40) * (k + 1),
+            enable_prefix_caching=False, cache_memory=args.cache_memory,
+            speculative_config={"method": "ngram", "num_speculative_tokens": k},
+        )
+        engine = LLMEngine(config)
+        drafts = RandomDrafts(engine.model_config.vocab_size)
+        engine.core.scheduler.spec.proposer = drafts
+        runner = engine.core.executor.worker.runner  # one process: the eager rerun drops its verify graphs
+        modes = ["graph", "eager"] if runner.verify_graphs is not None else ["eager"]
+        try:
+            for batch in batches:
+                runs = [(0, "-")] if k == min(ks_with_drafts(ks)) else []
+                runs += [(k, mode) for mode in modes]
+                for drafted, mode in runs:
+                    drafts.k = drafted
+                    graphs = runner.verify_graphs
+                    if mode == "eager":
+                        runner.verify_graphs = None
+                    times = time_decode_steps(engine, batch, args.context, args.steps, args.warmup)
+                    runner.verify_graphs = graphs
+                    engine.abort_request([f"r{i}" for i in range(batch)])
+                    while engine.core.has_unfinished_requests():
+                        engine.core.step()
+                    median = statistics.median(times)
+                    if drafted == 0:
+                        decode_ms[batch] = median
+                    ratio = median / decode_ms[batch]
+                    rows.append({"batch": batch, "k": drafted, "verify": mode, "median_ms": median,
+                                 "mean_ms": statistics.fmean(times), "min_ms": min(times), "steps": len(times),
+                                 "vs_decode": ratio})
+                    print(f"{batch:>5} {drafted:>3} {mode:>7} {median:10.3f} {ratio:9.2f} {batch * (drafted + 1):>11}",
+                          flush=True)
+        finally:
+            device = engine.core.executor.device_name
+            engine.shutdown()
 
     today = datetime.date.today().isoformat()
     info = machine(None)
@@ -98,7 +114,8 @@ def main() -> None:
     result = {
         "date": today, **info,
         "what": "ms per engine-core step (schedule, execute, apply) of pure decode (k=0) and of verify steps with k "
-                "random drafts per request (nearly all rejected: no rollback copies); medians over the timed steps",
+                "random drafts per request (nearly all rejected: no rollback copies), verify steps replayed from "
+                "CUDA graphs (graph) or run eagerly; medians over the timed steps",
         "args": vars(args), "rows": rows,
     }
     path = args.out or os.path.join(HERE, "results", f"spec_verify_cost_{today}_{info['device'].split()[0]}.json")

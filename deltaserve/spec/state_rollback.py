@@ -26,13 +26,14 @@ from deltaserve.ops.kda.naive import recurrent_kda_step
 
 
 def _check_indices(state_indices: torch.Tensor, num_accepted: torch.Tensor, num_sequences: int,
-                   num_tokens: int) -> None:
+                   num_tokens: int, check_values: bool = True) -> None:
+    """Shapes always; num_accepted's range only with check_values (it reads the device back)."""
     if state_indices.shape != (num_sequences, num_tokens):
         raise ValueError(f"state_indices has shape {tuple(state_indices.shape)}; expected "
                          f"[{num_sequences}, {num_tokens}] (one slot per verified position)")
     if num_accepted.shape != (num_sequences,):
         raise ValueError(f"num_accepted has shape {tuple(num_accepted.shape)}; expected [{num_sequences}]")
-    if bool(((num_accepted < 1) | (num_accepted > num_tokens)).any()):
+    if check_values and bool(((num_accepted < 1) | (num_accepted > num_tokens)).any()):
         raise ValueError(f"num_accepted must lie in [1, {num_tokens}] (tokens the previous step accepted, "
                          "its bonus or recovered token included)")
 
@@ -67,7 +68,7 @@ def recurrent_kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
                          state_indices: torch.Tensor, num_accepted: torch.Tensor,
-                         activation: str | None = "silu") -> torch.Tensor:
+                         activation: str | None = "silu", check_values: bool = True) -> torch.Tensor:
     """The short convolution over N sequences of T tokens, the window after token t stored in slot
     state_indices[n, t] (read from state_indices[n, num_accepted[n] - 1]). Every position at once: the
     window followed by the T inputs, cut into T frames of W taps (token t's output, and the frame's last
@@ -77,11 +78,13 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
         x: [N, T, D]. weight: [D, W] (or [D, 1, W]).
         conv_state_pool: [S, D, W - 1] windows, oldest first.
         state_indices: [N, T] long. num_accepted: [N] long in [1, T].
+        check_values: check num_accepted's range (a host sync; off for callers that build it, such as
+            a CUDA graph's capture).
     Returns:
         y: [N, T, D], dtype of x.
     """
     n, t, d = x.shape
-    _check_indices(state_indices, num_accepted, n, t)
+    _check_indices(state_indices, num_accepted, n, t, check_values)
     act = _activation(activation)
     taps = _taps(weight, d)  # [D, W] float32
     rows = torch.arange(n, device=state_indices.device)
@@ -141,10 +144,17 @@ def causal_conv1d_verify_varlen(x: torch.Tensor, weight: torch.Tensor, conv_stat
                                 seq_lens: list[int], state_indices: torch.Tensor,
                                 activation: str | None = "silu") -> torch.Tensor:
     """`causal_conv1d_verify` over verify windows packed back to back: x [T, D] -> y [T, D]; seq_lens
-    and state_indices as for `recurrent_kda_verify_varlen`."""
+    and state_indices as for `recurrent_kda_verify_varlen`. Windows of one length need no gather and no
+    host sync (a verify CUDA graph's step)."""
+    if len(set(seq_lens)) == 1:
+        count, length = len(seq_lens), seq_lens[0]
+        ones = torch.ones(count, dtype=torch.long, device=state_indices.device)
+        out = causal_conv1d_verify(x.view(count, length, -1), weight, conv_state_pool, state_indices[:, :length],
+                                   ones, activation, check_values=False)
+        return out.reshape(x.shape)
     y = x.new_empty(x.shape)
     for count, length, rows, indices, ones in _window_groups(seq_lens, state_indices, x.device):
         out = causal_conv1d_verify(x.index_select(0, rows).view(count, length, -1), weight,
-                                   conv_state_pool, indices, ones, activation)
+                                   conv_state_pool, indices, ones, activation, check_values=False)
         y.index_copy_(0, rows, out.reshape(-1, x.shape[1]))
     return y

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: the model forward plus the logits, captured per batch size.
+"""CUDA graphs for decode steps: the model forward plus the logits, captured per batch size (the capture
+loop is shared with speculative decoding's verify graphs, worker/verify_graph.py).
 
 A decode-only step of B sequences replays the graph of the smallest captured size >= B. Its inputs
 live in static buffers sized for the largest graph; rows past B are padding that writes its latent
@@ -34,8 +35,11 @@ def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_CAPTURE_SIZE
     return sorted(chosen)
 
 
-class DecodeGraphs:
-    """Captured decode graphs and their static input buffers."""
+class StepGraphs:
+    """Captured CUDA graphs of one kind of step, one per size, with static input buffers sized for the
+    largest (subclasses lay the buffers out and build each size's forward context)."""
+
+    kind = "step"
 
     def __init__(self, model: KimiLinearForCausalLM, device: torch.device, block_size: int, max_model_len: int,
                  pad_block: int, pad_state_slot: int) -> None:
@@ -48,7 +52,74 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.eager_sizes: set[int] = set()  # sizes laid out without a capture (lay_out_without_capture)
         self.max_size = 0
+
+    def _allocate(self, max_size: int) -> None:
+        raise NotImplementedError
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, sizes: Sequence[int]) -> bool:
+        """Warm up and capture every size, largest first, in one pool. False (graphs off) on failure."""
+        if not sizes:
+            return False
+        sizes = sorted(set(sizes), reverse=True)
+        self._allocate(sizes[0])
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                for size in sizes:
+                    self._forward(size)  # eager warm-up: autotuning and lazy init happen here
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            for size in sizes:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = self._forward(size)
+                self.graphs[size] = graph
+        except Exception as e:  # an op that cannot be captured: these steps stay eager, loudly
+            logger.warning("CUDA graph capture failed (%s: %s); %s steps run without CUDA graphs",
+                           type(e).__name__, e, self.kind)
+            self.graphs.clear()
+            self.logits.clear()
+            torch.cuda.synchronize(self.device)
+            return False
+        self.max_size = sizes[0]
+        logger.info("captured CUDA graphs for %s batch sizes %s", self.kind, sorted(self.graphs))
+        return True
+
+    def lay_out_without_capture(self, sizes: Sequence[int]) -> None:
+        """Run these sizes' padded layouts eagerly instead of replaying graphs: the same buffers, padding
+        and contexts with no capture (how the CPU tests check a layout against the unpadded step)."""
+        self._allocate(max(sizes))
+        self.max_size = max(sizes)
+        self.eager_sizes = set(sizes)
+
+    def graph_size(self, num_sequences: int) -> int | None:
+        """The captured size that serves a batch of num_sequences, or None."""
+        sizes = self.graphs.keys() | self.eager_sizes
+        if not sizes or num_sequences > self.max_size:
+            return None
+        return min(s for s in sizes if s >= num_sequences)
+
+    def _replay(self, size: int) -> torch.Tensor:
+        """Replay this size's graph (or run its layout eagerly) on the filled buffers -> its logits rows."""
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)
+        graph.replay()
+        return self.logits[size]
+
+
+class DecodeGraphs(StepGraphs):
+    """Captured decode graphs and their static input buffers."""
+
+    kind = "decode"
 
     def _allocate(self, max_size: int) -> None:
         dev, long = self.device, torch.long
@@ -81,43 +152,6 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:size])
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
-    def capture(self, sizes: Sequence[int]) -> bool:
-        """Warm up and capture every size, largest first, in one pool. False (graphs off) on failure."""
-        if not sizes:
-            return False
-        sizes = sorted(set(sizes), reverse=True)
-        self._allocate(sizes[0])
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                for size in sizes:
-                    self._forward(size)  # eager warm-up: autotuning and lazy init happen here
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            for size in sizes:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size] = self._forward(size)
-                self.graphs[size] = graph
-        except Exception as e:  # an op that cannot be captured: decode stays eager, loudly
-            logger.warning("CUDA graph capture failed (%s: %s); decoding without CUDA graphs", type(e).__name__, e)
-            self.graphs.clear()
-            self.logits.clear()
-            torch.cuda.synchronize(self.device)
-            return False
-        self.max_size = sizes[0]
-        logger.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
-        return True
-
-    def graph_size(self, num_decodes: int) -> int | None:
-        """The captured size that serves a batch of num_decodes, or None."""
-        if not self.graphs or num_decodes > self.max_size:
-            return None
-        return min(s for s in self.graphs if s >= num_decodes)
-
     def run(self, input_ids: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Replay for one decode-only step; returns logits [B, vocab] of its B sequences (rows in order)."""
         batch = context.num_decodes
@@ -134,5 +168,4 @@ class DecodeGraphs:
             self.state_slots[batch:size].fill_(self.pad_state_slot)
             self.block_tables[batch:size, 0].fill_(self.pad_block)
             self.seq_lens[batch:size].fill_(1)
-        self.graphs[size].replay()
-        return self.logits[size][:batch]
+        return self._replay(size)[:batch]

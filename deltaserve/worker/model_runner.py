@@ -42,6 +42,7 @@ from deltaserve.worker.prompt_logprobs import PromptLogprobPlan, prompt_logprob_
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.spec_verify import DraftVerifier, verified_tokens, verify_context, verify_host_arrays
 from deltaserve.worker.state_store import StateCheckpointStore
+from deltaserve.worker.verify_graph import VerifyGraphs
 
 
 def is_decode(chunk: ScheduledChunk) -> bool:
@@ -117,6 +118,7 @@ class ModelRunner:
         self.state_store: StateCheckpointStore | None = None  # set when prefix caching keeps checkpoints
         self.offload: Any = None  # the offload tier's rank side (offload/worker_side.py), when it is on
         self.decode_graphs: DecodeGraphs | None = None  # set when CUDA graphs were captured
+        self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's, when captured
         self.drafter: Any = None  # speculative decoding's model drafter (spec/), on the output rank
         self.step_rows: dict[str, int] = {}
         self.block_tables = BlockTables(device=device)  # every running request's table, kept across steps
@@ -306,10 +308,13 @@ class ModelRunner:
         computes prompt logprobs."""
         step = self.prepare(scheduler_output)
         ctx = step.context
-        graphs = self.decode_graphs
+        graphs, verify_graphs = self.decode_graphs, self.verify_graphs
         if (graphs is not None and ctx.num_prefills == 0 and ctx.num_verify_tokens == 0
                 and graphs.graph_size(ctx.num_decodes) is not None):
             rows, to_logits = graphs.run(step.input_ids, ctx), torch.Tensor.float  # logits of every decode row
+            logits = rows[step.sample_rows]
+        elif verify_graphs is not None and verify_graphs.size_for(ctx) is not None:
+            rows, to_logits = verify_graphs.run(step.input_ids, ctx), torch.Tensor.float  # every row's logits
             logits = rows[step.sample_rows]
         else:
             with set_forward_context(ctx):

@@ -27,6 +27,7 @@ from deltaserve.worker.cuda_graph import DecodeGraphs, capture_sizes
 from deltaserve.worker.model_runner import ModelRunner
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from deltaserve.worker.state_store import StateCheckpointStore
+from deltaserve.worker.verify_graph import VerifyGraphs, verify_capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -285,8 +286,15 @@ class Worker:
         cfg = self.engine_config
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         graphs = DecodeGraphs(self.model, self.device, cfg.block_size, max_model_len, pad_block, pad_state_slot)
-        if graphs.capture(capture_sizes(cfg.max_num_seqs)):
-            self.runner.decode_graphs = graphs
+        if not graphs.capture(capture_sizes(cfg.max_num_seqs)):
+            return
+        self.runner.decode_graphs = graphs
+        if cfg.num_speculative_tokens:  # verify windows of k + 1 tokens (decode rows ride along as windows of one)
+            window = cfg.num_speculative_tokens + 1
+            verify = VerifyGraphs(self.model, self.device, cfg.block_size, max_model_len, pad_block, pad_state_slot,
+                                  window=window)
+            if verify.capture(verify_capture_sizes(cfg.max_num_seqs, window)):
+                self.runner.verify_graphs = verify
 
     # Steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput,

@@ -215,3 +215,83 @@ def test_cuda_verify_windows_with_fla(model_dir):
     assert run(draft, prompts, greedy()) == want
     assert draft.get_metrics()["spec_decode"]["acceptance_rate"] > 0.9
     draft.llm_engine.shutdown()
+
+
+def lay_out_verify_graphs(llm, k, sizes=(1, 2, 4, 8)):
+    """The verify graphs' padded layout, run eagerly (the CPU has no graphs): every step it serves is
+    recorded as (decode rows, window lengths)."""
+    from deltaserve.worker.verify_graph import VerifyGraphs
+
+    engine = llm.llm_engine
+    runner = engine.executor.worker.runner
+    plan = engine.cache_plan
+    graphs = VerifyGraphs(runner.model, runner.device, BS, engine.config.max_model_len or 2048,
+                          plan.num_blocks, plan.num_state_slots, window=k + 1)
+    graphs.lay_out_without_capture(sizes)
+    served = []
+    run_layout = graphs.run
+
+    def recording_run(input_ids, context):
+        served.append((context.num_decodes, context.verify_seq_lens))
+        return run_layout(input_ids, context)
+
+    graphs.run = recording_run
+    runner.verify_graphs = graphs
+    return served
+
+
+def test_verify_graph_layout_is_lossless(model_dir, reference):
+    """A verify graph's layout (windows padded to k + 1 tokens, decode rows as one-token windows, padding
+    in the scratch block and slot, unused windows up to the graph size) gives plain decoding's tokens,
+    with short windows (the token budget), decode rows beside windows (logprobs) and rollbacks."""
+    prompts = repetitive_prompts()
+    # a budget of 14 tokens cuts windows short when four requests verify together
+    llm = speculating_llm(model_dir, 3, prompts, reference, max_num_seqs=8, max_num_batched_tokens=14)
+    served = lay_out_verify_graphs(llm, 3, sizes=(2, 8))
+    logprobs = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(), logprobs, greedy(), greedy(22)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[0], reference[1], reference[2], reference[3][:22]]
+    assert served and any(decodes for decodes, _ in served), served
+    assert any(min(lengths) < 4 for _, lengths in served), served  # a window cut short
+    assert any(decodes + len(lengths) not in (2, 8) for decodes, lengths in served), served  # padding windows
+    assert_counters_add_up(llm)
+    assert_nothing_held(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verify_graphs_match_eager_verify(model_dir):
+    """bfloat16 on the GPU captures verify graphs; every step they serve gives the logits the eager verify
+    path gives on the same state (run first on a copy of the KDA state, which the graph then steps)."""
+    from deltaserve.model.forward_context import set_forward_context
+
+    prompts = repetitive_prompts()
+    cuda = {"dtype": "bfloat16", "device": "cuda", "block_size": BS, "max_num_batched_tokens": 96,
+            "cache_memory": "64MiB", "max_num_seqs": 8}
+    plain = LLM(model=model_dir, **cuda)
+    want = run(plain, prompts, greedy())
+    plain.llm_engine.shutdown()
+    llm = LLM(model=model_dir, **cuda, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.llm_engine.scheduler.spec.proposer = OracleDrafts(prompts, want)
+    runner = llm.llm_engine.executor.worker.runner
+    graphs = runner.verify_graphs
+    assert graphs is not None and graphs.graphs, "verify graphs were not captured"
+    layers = list(runner.model.kda_layers())
+    errors = []
+    replay = graphs.run
+
+    def checked_run(input_ids, context):
+        saved = [(t, t.clone()) for layer in layers for t in (layer.conv_state, layer.recurrent_state)]
+        with torch.inference_mode(), set_forward_context(context):
+            eager = runner.model.compute_logits(runner.model(input_ids)).float()
+        for tensor, copy in saved:
+            tensor.copy_(copy)
+        logits = replay(input_ids, context)
+        errors.append(((logits.float() - eager).abs().max() / eager.abs().max()).item())
+        return logits
+
+    graphs.run = checked_run
+    run(llm, prompts, greedy())
+    llm.llm_engine.shutdown()
+    assert errors, "no step replayed a verify graph"
+    assert max(errors) < 0.03, errors
