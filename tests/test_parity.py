@@ -173,3 +173,43 @@ def test_gpu_bf16_graphs_match_eager(gpu_case, request, record_property):
         return
     parted = [first_divergence(a, b, BF16_LOGPROB_TOL) for a, b in zip(*runs, strict=True)]
     assert sum(p is None for p in parted) >= len(parted) // 2, f"first divergence per prompt: {parted}"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_graph_replay_equals_its_eager_layout(gpu_case):
+    """What CUDA graphs guarantee: a replay gives, bit for bit, the logits of the same padded batch run
+    eagerly (the graph's size, padding rows and fixed MLA split count), checked on every decode step it
+    serves (the eager layout runs first on a copy of the KDA state, which the replay then steps).
+    Against plain eager decoding a graph differs only by that padding: a batch of B runs as the
+    captured size, so GEMMs of another row count and another MLA split count round bf16 differently
+    (test_gpu_bf16_graphs_match_eager)."""
+    import torch
+
+    from deltaserve.worker.cuda_graph import DecodeGraphs
+
+    model_dir, prompts = gpu_case
+    llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=16, cache_memory="256MiB")
+    runner = llm.llm_engine.executor.worker.runner
+    graphs = runner.decode_graphs
+    if graphs is None:
+        pytest.skip("no decode graphs on this GPU (the sync-free grouped MoE needs bf16 on sm90+)")
+    layout = DecodeGraphs(graphs.model, graphs.device, graphs.block_size, graphs.max_model_len, graphs.pad_block,
+                          graphs.pad_state_slot)
+    layout.lay_out_without_capture(sorted(graphs.graphs))
+    layers = list(runner.model.kda_layers())
+    same, replay = [], graphs.run
+
+    def checked_run(input_ids, context):
+        saved = [(t, t.clone()) for layer in layers for t in (layer.conv_state, layer.recurrent_state)]
+        with torch.inference_mode():
+            eager = layout.run(input_ids, context).clone()
+        for tensor, copy in saved:
+            tensor.copy_(copy)
+        logits = replay(input_ids, context)
+        same.append(torch.equal(logits, eager))
+        return logits
+
+    graphs.run = checked_run
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    assert same and all(same), f"{same.count(False)} of {len(same)} replays differ from their eager layout"
