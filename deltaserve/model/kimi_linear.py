@@ -205,6 +205,11 @@ class KimiLinearForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers.values() if not layer.is_kda]
 
     # Weights ---------------------------------------------------------------------------------
+    def fuse_input_projections(self) -> None:
+        """After loading: each attention layer's input projections as one GEMM (KDA's four, MLA's two)."""
+        for layer in [*self.kda_layers(), *self.mla_layers()]:
+            layer.fuse_input_projections()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (hub layout) into this stage's parameters.
 

@@ -11,13 +11,14 @@ all-reduced over the TP group once per layer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.distributed import tp_all_reduce
 from deltaserve.model.forward_context import get_forward_context
-from deltaserve.model.layers.linear import Linear, sharded_param
+from deltaserve.model.layers.linear import Linear, fuse_weights, sharded_param
 from deltaserve.model.layers.prefill_rounds import Capture, run_in_rounds
 from deltaserve.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
 from deltaserve.ops.kda import KDAGate, kda_decode, kda_prefill, kda_verify
@@ -53,6 +54,8 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = Linear(self.head_dim, full_dim, parallel, dtype, "column")
         self.o_norm_weight = sharded_param((self.head_dim,), dtype, None, parallel)
         self.o_proj = Linear(full_dim, hidden, parallel, dtype, "row")
+        # after loading: q/k/v, f_a, b and g_a as one weight (fuse_input_projections); None: four GEMMs
+        self.in_proj_weight: torch.Tensor | None = None
         self.conv_state: torch.Tensor | None = None  # [slots, 3 * local_dim, W - 1]
         self.recurrent_state: torch.Tensor | None = None  # [slots, heads, K, V] float32
         # prefix caching: write this layer's conv window / recurrent state in a slot into checkpoint units
@@ -66,10 +69,19 @@ class KimiDeltaAttention(nn.Module):
         """How a checkpoint inside a prefill chunk is taken (the state store's part of an image)."""
         self.capture_conv, self.capture_recurrent = capture_conv, capture_recurrent
 
-    def forget_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """f_b(f_a(x)) before dt_bias: [T, H, K] in the model dtype. The decay itself,
-        -exp(A_log) * softplus(logits + dt_bias), is applied by the KDA op (see KDAGate)."""
-        return self.f_b_proj(self.f_a_proj(x)).view(-1, self.num_heads, self.head_dim)
+    def fuse_input_projections(self) -> None:
+        """After loading: the four projections of the layer's input (q/k/v, f_a, b, g_a) as one weight,
+        so one GEMM computes them (decode at small batches is bound by the number of kernels)."""
+        self.in_proj_weight = fuse_weights([self.qkv_proj, self.f_a_proj, self.b_proj, self.g_a_proj])
+
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> q/k/v before the conv [T, 3 * local_dim], f_a(x) and g_a(x) [T, K], and the
+        beta logits [T, H] (views of one GEMM's output once fused)."""
+        if self.in_proj_weight is None:
+            return self.qkv_proj(x), self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+        mixed, f_a, beta, g_a = F.linear(x, self.in_proj_weight).split(
+            [3 * self.local_dim, self.head_dim, self.num_heads, self.head_dim], dim=-1)
+        return mixed, f_a, g_a, beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], summed over the TP group (every TP rank runs it)."""
@@ -77,7 +89,7 @@ class KimiDeltaAttention(nn.Module):
         num_decodes = ctx.num_decodes
         verify = slice(num_decodes, num_decodes + ctx.num_verify_tokens)
         first_prefill_row = verify.stop
-        mixed = self.qkv_proj(x)
+        mixed, f_a, g_a, beta = self._input_projections(x)
         # decode rows first, then verify windows, then prefill rows: each part on its own rows, joined
         conv_parts = []
         if num_decodes:
@@ -109,8 +121,8 @@ class KimiDeltaAttention(nn.Module):
         # Raw q, k, gate and beta logits: the KDA backend applies the l2 norms, the decay and the sigmoid
         # (inside fla's kernels on the GPU).
         q, k, v = _join(conv_parts).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        g = self.forget_gate_logits(x)
-        beta = self.b_proj(x)
+        # the decay's logits before dt_bias: -exp(A_log) * softplus(g + dt_bias) is applied by the KDA op
+        g = self.f_b_proj(f_a).view(-1, self.num_heads, self.head_dim)
         gate_params = KDAGate(self.A_log, self.dt_bias)
 
         kda_parts = []
@@ -144,7 +156,7 @@ class KimiDeltaAttention(nn.Module):
             ))
         # in the model dtype: the norm below reads it rounded, as transformers does
         out = _join(kda_parts).to(x.dtype)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.num_heads, self.head_dim)
+        gate = self.g_b_proj(g_a).view(-1, self.num_heads, self.head_dim)
         normed = gated_rms_norm(out, gate, self.o_norm_weight, self.eps)
         return tp_all_reduce(self.o_proj(normed.reshape(-1, self.local_dim)))
 

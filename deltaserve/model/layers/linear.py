@@ -111,3 +111,18 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]."""
         return F.linear(x, self.weight, self.bias)
+
+
+def fuse_weights(linears: Sequence[Linear]) -> torch.Tensor:
+    """One weight [sum of their out_features, in_features] for layers that read the same input, so one
+    GEMM computes all their outputs (side by side, in order). Each layer's weight becomes a view of it:
+    the layers still load and run on their own, and no memory is added."""
+    if any(layer.bias is not None for layer in linears) or len({layer.in_features for layer in linears}) != 1:
+        raise ValueError("only bias-free layers of one input size fuse")
+    fused = torch.cat([layer.weight.data for layer in linears])
+    offset = 0
+    for layer in linears:
+        rows = layer.weight.shape[0]
+        layer.weight.data = fused[offset : offset + rows]
+        offset += rows
+    return fused

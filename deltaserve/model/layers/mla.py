@@ -15,6 +15,7 @@ from the group (the new tokens' latents every rank has computed) and attends as 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config.model_config import KimiLinearConfig
@@ -22,7 +23,7 @@ from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.distributed import dcp_all_gather, tp_all_reduce
 from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.model.forward_context import get_forward_context
-from deltaserve.model.layers.linear import Linear
+from deltaserve.model.layers.linear import Linear, fuse_weights
 from deltaserve.model.layers.norm import RMSNorm
 from deltaserve.ops.mla import gather_latents, merge_partial_attentions, paged_mla_decode, write_latents
 from deltaserve.ops.mla.prefill import attention_prefill
@@ -56,16 +57,28 @@ class MultiheadLatentAttention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), parallel, dtype, "column")
         self.o_proj = Linear(heads * self.v_dim, hidden, parallel, dtype, "row")
         self.kv_cache: torch.Tensor | None = None
+        # after loading: q_proj (or q_a_proj) and kv_a_proj_with_mqa as one weight; None: two GEMMs
+        self.in_proj_weight: torch.Tensor | None = None
+
+    def fuse_input_projections(self) -> None:
+        """After loading: the two projections of the layer's input as one weight (one GEMM)."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        self.in_proj_weight = fuse_weights([first, self.kv_a_proj_with_mqa])
 
     def bind_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> queries [T, H, qk_dim] and the new latent entries before the norm [T, R + P]."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if self.in_proj_weight is None:
+            q, kv_a = first(x), self.kv_a_proj_with_mqa(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(-1, self.num_heads, self.qk_dim)
+            widths = [first.out_features, self.kv_a_proj_with_mqa.out_features]
+            q, kv_a = F.linear(x, self.in_proj_weight).split(widths, dim=-1)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.reshape(-1, self.num_heads, self.qk_dim), kv_a
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, Dn, R] and W_UV [H, Dv, R] as views of kv_b_proj's weight."""
@@ -75,8 +88,8 @@ class MultiheadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], summed over the TP group (every TP rank runs it)."""
         ctx = get_forward_context()
-        q = self._queries(x)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q, kv_a = self._projections(x)
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         entries = torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)  # [T, R + P]
         write_latents(self.kv_cache, ctx.slot_mapping, entries)
 
