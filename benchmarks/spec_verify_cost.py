@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import random
@@ -107,6 +108,10 @@ def main() -> None:
         finally:
             device = engine.core.executor.device_name
             engine.shutdown()
+            del engine, runner
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the next engine sizes its caches from what is free
 
     today = datetime.date.today().isoformat()
     info = machine(None)
