@@ -260,38 +260,41 @@ def test_verify_graph_layout_is_lossless(model_dir, reference):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_verify_graphs_match_eager_verify(model_dir):
-    """bfloat16 on the GPU captures verify graphs; every step they serve gives the logits the eager verify
-    path gives on the same state (run first on a copy of the KDA state, which the graph then steps)."""
-    from deltaserve.model.forward_context import set_forward_context
+def test_cuda_verify_graph_replay_equals_its_eager_layout(model_dir):
+    """bfloat16 on the GPU captures verify graphs; every step one serves gives, bit for bit, the logits of
+    the same padded layout run eagerly (run first on a copy of the KDA state, which the replay then steps).
+    That the padded layout gives plain decoding's tokens is test_verify_graph_layout_is_lossless's (CPU,
+    float32); against the unpadded eager step a bf16 graph differs by rounding (GEMMs of another row
+    count, another MLA split count), which a near-tie in the tiny random model's expert routing turns
+    into a visibly different row."""
+    from deltaserve.worker.verify_graph import VerifyGraphs
 
     prompts = repetitive_prompts()
     cuda = {"dtype": "bfloat16", "device": "cuda", "block_size": BS, "max_num_batched_tokens": 96,
             "cache_memory": "64MiB", "max_num_seqs": 8}
-    plain = LLM(model=model_dir, **cuda)
-    want = run(plain, prompts, greedy())
-    plain.llm_engine.shutdown()
     llm = LLM(model=model_dir, **cuda, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    llm.llm_engine.scheduler.spec.proposer = OracleDrafts(prompts, want)
+    llm.llm_engine.scheduler.spec.proposer = OracleDrafts(prompts, run(make_llm(model_dir), prompts, greedy()))
     runner = llm.llm_engine.executor.worker.runner
     graphs = runner.verify_graphs
     assert graphs is not None and graphs.graphs, "verify graphs were not captured"
+    layout = VerifyGraphs(graphs.model, graphs.device, graphs.block_size, graphs.max_model_len, graphs.pad_block,
+                          graphs.pad_state_slot, window=graphs.window)
+    layout.lay_out_without_capture(sorted(graphs.graphs))
     layers = list(runner.model.kda_layers())
-    errors = []
-    replay = graphs.run
+    same, replay = [], graphs.run
 
     def checked_run(input_ids, context):
         saved = [(t, t.clone()) for layer in layers for t in (layer.conv_state, layer.recurrent_state)]
-        with torch.inference_mode(), set_forward_context(context):
-            eager = runner.model.compute_logits(runner.model(input_ids)).float()
+        with torch.inference_mode():
+            eager = layout.run(input_ids, context).clone()
         for tensor, copy in saved:
             tensor.copy_(copy)
         logits = replay(input_ids, context)
-        errors.append(((logits.float() - eager).abs().max() / eager.abs().max()).item())
+        same.append(torch.equal(logits, eager))
         return logits
 
     graphs.run = checked_run
     run(llm, prompts, greedy())
+    assert_counters_add_up(llm)
     llm.llm_engine.shutdown()
-    assert errors, "no step replayed a verify graph"
-    assert max(errors) < 0.03, errors
+    assert same and all(same), f"{same.count(False)} of {len(same)} replays differ from their eager layout"
