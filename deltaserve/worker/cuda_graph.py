@@ -52,6 +52,7 @@ class StepGraphs:
         self.max_blocks = -(-max_model_len // block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.taps: dict[int, torch.Tensor | None] = {}  # an Eagle3 drafter's tap states of each size's rows
         self.eager_sizes: set[int] = set()  # sizes laid out without a capture (lay_out_without_capture)
         self.max_size = 0
 
@@ -81,12 +82,14 @@ class StepGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[size] = self._forward(size)
+                self.taps[size] = self.model.captured_taps  # written by every replay (None without tap layers)
                 self.graphs[size] = graph
         except Exception as e:  # an op that cannot be captured: these steps stay eager, loudly
             logger.warning("CUDA graph capture failed (%s: %s); %s steps run without CUDA graphs",
                            type(e).__name__, e, self.kind)
             self.graphs.clear()
             self.logits.clear()
+            self.taps.clear()
             torch.cuda.synchronize(self.device)
             return False
         self.max_size = sizes[0]
@@ -108,11 +111,13 @@ class StepGraphs:
         return min(s for s in sizes if s >= num_sequences)
 
     def _replay(self, size: int) -> torch.Tensor:
-        """Replay this size's graph (or run its layout eagerly) on the filled buffers -> its logits rows."""
+        """Replay this size's graph (or run its layout eagerly) on the filled buffers -> its logits rows;
+        the model's `captured_taps` then hold the layout's tap rows, as after an eager forward."""
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)
         graph.replay()
+        self.model.captured_taps = self.taps[size]
         return self.logits[size]
 
 

@@ -126,4 +126,7 @@ class VerifyGraphs(StepGraphs):
         slots = torch.cat([context.decode_state_slots,
                            context.verify_state_indices.reshape(-1).index_select(0, source_entries)])
         self.state_indices.view(-1).index_copy_(0, dest_rows, slots)
-        return self._replay(size).index_select(0, dest_rows)
+        logits = self._replay(size).index_select(0, dest_rows)
+        if self.model.captured_taps is not None:  # an Eagle3 drafter reads them by the step's rows
+            self.model.captured_taps = self.model.captured_taps.index_select(0, dest_rows)
+        return logits

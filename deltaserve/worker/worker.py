@@ -236,8 +236,6 @@ class Worker:
             logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
         elif self.dcp is not None:
             logger.info("decode runs without CUDA graphs under decode context parallelism (not captured yet)")
-        elif self.model.tap_layer_ids:
-            logger.info("decode runs without CUDA graphs with an Eagle3 drafter (its taps are not captured in graphs)")
         elif self.device.type == "cuda" and not self.engine_config.enforce_eager:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
 

@@ -103,3 +103,41 @@ def test_eagle3_k_with_chunked_prefill_preemption_and_an_abort(dirs, reference, 
     while engine.has_unfinished_requests():
         engine.step()
     assert_nothing_held(llm)
+
+
+def test_eagle3_taps_come_through_the_graph_layouts(dirs, reference):
+    """Decode and verify steps laid out as their CUDA graphs would run them (padded, decode rows as
+    one-token windows, run eagerly here) hand the drafter the tap rows of the step's own rows: every
+    draft is the one the unpadded steps give."""
+    from deltaserve.worker.cuda_graph import DecodeGraphs
+
+    from .test_spec_engine import lay_out_verify_graphs
+
+    options = {**COMMON, "max_num_batched_tokens": 10, "max_num_seqs": 4}  # a small budget cuts windows short
+
+    def drafting(layouts):
+        llm = LLM(model=dirs[0], **options, speculative_config=spec(dirs[1]))
+        runner = llm.llm_engine.executor.worker.runner
+        drafts, propose = [], runner.drafter.propose
+
+        def recording(*args):
+            proposed = propose(*args)
+            drafts.append(sorted(proposed.items()))
+            return proposed
+
+        runner.drafter.propose = recording
+        served = None
+        if layouts:
+            served = lay_out_verify_graphs(llm, 3, sizes=(1, 2, 4))
+            engine = llm.llm_engine
+            decode = DecodeGraphs(runner.model, runner.device, 16, engine.config.max_model_len or 2048,
+                                  engine.cache_plan.num_blocks, engine.cache_plan.num_state_slots)
+            decode.lay_out_without_capture([1, 2, 4])
+            runner.decode_graphs = decode
+        assert run(llm, prompts()) == reference
+        return drafts, served
+
+    plain, _ = drafting(False)
+    laid_out, served = drafting(True)
+    assert any(decodes or len(set(lengths)) > 1 for decodes, lengths in served), served  # rows reordered
+    assert laid_out == plain
