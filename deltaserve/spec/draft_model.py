@@ -9,11 +9,13 @@ one model on one rank (its layers see no process groups), with caches of its own
   it drafts, so drafted tokens never reach the live state and a rejected draft needs no rollback.
 
 Per step, for each request the target sampled for, the drafter first catches up on the tokens it has not
-seen (the verified and sampled tokens of this step, or the whole prompt of a request new to it: its state
-is not checkpointed, so a prefix hit or a P/D import is recomputed here, at most `max_catchup_tokens`
-per request and step, drafting only once caught up), then decodes greedily in the scratch row: the
-argmax after the last known token is draft 1, and each draft is fed back for the next. Drafts are point
-masses (as vLLM's), which the rejection sampler verifies losslessly.
+seen (the verified and sampled tokens of this step, at most k + 1, as that many decode steps; or the whole
+prompt of a request new to it, as a prefill chunk: its state is not checkpointed, so a prefix hit or a
+P/D import is recomputed here, at most `max_catchup_tokens` per request and step, drafting only once
+caught up), then decodes greedily in the scratch row: the argmax after the last known token is draft 1,
+and each draft is fed back for the next. Decode steps replay CUDA graphs where they were captured, and
+the drafts stay on the device until the last one (one host sync per step). Drafts are point masses (as
+vLLM's), which the rejection sampler verifies losslessly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from deltaserve.model.forward_context import ForwardContext, PrefillSequence, se
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.block_tables import BlockTables
+from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.model_runner import copy_slots
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
@@ -45,11 +48,14 @@ class DraftModelRunner:
         self.max_catchup_tokens = max_catchup_tokens
         self.device = device
         self.scratch_base = num_state_slots
+        # CUDA-graph padding: the block past the target's ids and the row past the scratch rows
+        self.pad_block, self.pad_state_slot = num_blocks, num_state_slots + max_num_seqs
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
         config, dtype = model.config, model.dtype
         with torch.device(device):
             for layer in model.mla_layers():
                 layer.bind_cache(torch.zeros(num_blocks + 1, block_size, config.latent_dim, dtype=dtype))
-            rows = num_state_slots + max_num_seqs
+            rows = num_state_slots + max_num_seqs + 1
             for layer in model.kda_layers():
                 layer.bind_state(
                     torch.zeros(rows, 3 * layer.local_dim, layer.conv_width - 1, dtype=dtype),
@@ -58,6 +64,16 @@ class DraftModelRunner:
         self.progress: dict[str, int] = {}  # tokens the drafter has run, in the live slot
 
     @torch.inference_mode()
+    def capture_graphs(self, sizes: list[int]) -> bool:
+        """CUDA graphs of the draft model's decode steps (catching up on a few tokens and drafting); its
+        padding writes the extra KV block and state row past everything the pools share with the target."""
+        graphs = DecodeGraphs(self.model, self.device, self.block_size, self.max_model_len, self.pad_block,
+                              self.pad_state_slot)
+        with without_groups():
+            if graphs.capture(sizes):
+                self.graphs = graphs
+        return self.graphs is not None
+
     def propose(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput,
                 runner: Any) -> dict[str, list[int]]:
         """After the target's step: the drafts of every request it sampled for (none for one still
@@ -72,11 +88,75 @@ class DraftModelRunner:
         sampled = [r for r in output.request_ids if r in slots]
         if not sampled:
             return {}
+        tables = runner.block_tables
+        # a few unseen tokens (a verify window's accepted run, a sampled token) run as decode steps; a
+        # prompt or any longer run as a prefill chunk
+        short = [r for r in sampled
+                 if 0 < self.progress.get(r, 0) and len(self.known[r]) - self.progress[r] <= self.k + 1]
+        long = [r for r in sampled if r not in set(short)]
         with without_groups():
-            first = self._catch_up(sampled, slots, runner.block_tables)
-            return self._draft(first, slots, runner.block_tables)
+            first: dict[str, torch.Tensor] = {}
+            if short:
+                first.update(zip(short, self._catch_up_by_decode(short, slots, tables).unbind(), strict=True))
+            if long:
+                first.update(self._catch_up(long, slots, tables))
+            return self._draft([r for r in sampled if r in first], first, slots, tables)
 
-    def _catch_up(self, request_ids: list[str], slots: dict[str, int], tables: BlockTables) -> dict[str, int]:
+    def _device_longs(self, *lists: list[int]) -> list[torch.Tensor]:
+        """Host lists as long tensors on the device, by one pinned copy that does not wait for the device."""
+        flat = [x for values in lists for x in values]
+        host = torch.tensor(flat, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(self.device, non_blocking=True)
+        out, start = [], 0
+        for values in lists:
+            out.append(packed[start : start + len(values)])
+            start += len(values)
+        return out
+
+    def _decode(self, request_ids: list[str], positions: list[int], slots: list[int], input_ids: torch.Tensor,
+                tables: BlockTables) -> torch.Tensor:
+        """One decode step: input_ids [B] (on the device) at `positions`, each request's state in `slots`
+        -> the argmax token after each [B] on the device (no host sync)."""
+        rows, position, state_slots = self._device_longs([tables.row(r) for r in request_ids], positions, slots)
+        width = max(tables.num_blocks(r) for r in request_ids)
+        long = {"dtype": torch.long, "device": self.device}
+        ctx = ForwardContext(
+            num_tokens=len(request_ids), num_decodes=len(request_ids),
+            slot_mapping=tables.slot_mapping(rows, position, self.block_size),
+            decode_state_slots=state_slots, decode_block_tables=tables.gather(rows, width),
+            decode_seq_lens=position + 1, prefill_cu_seqlens=torch.zeros(1, **long),
+            prefill_state_slots=torch.zeros(0, **long),
+            prefill_has_initial_state=torch.zeros(0, dtype=torch.bool, device=self.device), prefill_sequences=(),
+        )
+        if self.graphs is not None and self.graphs.graph_size(len(request_ids)) is not None:
+            return self.graphs.run(input_ids, ctx).argmax(dim=-1)
+        with set_forward_context(ctx):
+            return self.model.compute_logits(self.model(input_ids)).argmax(dim=-1)
+
+    def _catch_up_by_decode(self, request_ids: list[str], slots: dict[str, int], tables: BlockTables,
+                            ) -> torch.Tensor:
+        """Each request's few unseen tokens as successive decode steps on its live state; returns the
+        argmax after each one's last token [R] on the device."""
+        unseen = {r: self.known[r][self.progress[r]:] for r in request_ids}
+        first = torch.empty(len(request_ids), dtype=torch.long, device=self.device)
+        for step in range(max(len(tokens) for tokens in unseen.values())):
+            active = [i for i, r in enumerate(request_ids) if len(unseen[request_ids[i]]) > step]
+            names = [request_ids[i] for i in active]
+            tokens, ends, at = self._device_longs(
+                [unseen[r][step] for r in names],
+                [j for j, r in enumerate(names) if len(unseen[r]) == step + 1],
+                [i for i in active if len(unseen[request_ids[i]]) == step + 1])
+            argmax = self._decode(names, [self.progress[r] + step for r in names], [slots[r] for r in names],
+                                  tokens, tables)
+            first.index_copy_(0, at, argmax.index_select(0, ends))
+        for r in request_ids:
+            self.progress[r] = len(self.known[r])
+        return first
+
+    def _catch_up(self, request_ids: list[str], slots: dict[str, int], tables: BlockTables,
+                  ) -> dict[str, torch.Tensor]:
         """Run each request's unseen tokens from its live state (a prefill chunk each, up to
         max_catchup_tokens); returns the argmax after the last known token of those caught up."""
         chunks = []  # (request id, start, tokens)
@@ -96,50 +176,45 @@ class DraftModelRunner:
             cu.append(len(ids))
         long = {"dtype": torch.long, "device": self.device}
         empty = torch.zeros(0, **long)
+        token_rows, token_positions, cu_seqlens, state_slots, input_ids, last, has_state = self._device_longs(
+            row_of_token, positions, cu, [slots[r] for r, _, _ in chunks], ids, [c - 1 for c in cu[1:]],
+            [int(start > 0) for _, start, _ in chunks])
         ctx = ForwardContext(
             num_tokens=len(ids), num_decodes=0,
-            slot_mapping=tables.slot_mapping(torch.tensor(row_of_token, **long), torch.tensor(positions, **long),
-                                             self.block_size),
+            slot_mapping=tables.slot_mapping(token_rows, token_positions, self.block_size),
             decode_state_slots=empty, decode_block_tables=torch.zeros(0, 1, **long), decode_seq_lens=empty,
-            prefill_cu_seqlens=torch.tensor(cu, **long),
-            prefill_state_slots=torch.tensor([slots[r] for r, _, _ in chunks], **long),
-            prefill_has_initial_state=torch.tensor([start > 0 for _, start, _ in chunks], device=self.device),
+            prefill_cu_seqlens=cu_seqlens, prefill_state_slots=state_slots,
+            prefill_has_initial_state=has_state.bool(),
             prefill_sequences=tuple(sequences), prefill_cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long),
         )
         with set_forward_context(ctx):
-            hidden = self.model(torch.tensor(ids, **long))
-        last = torch.tensor([c - 1 for c in cu[1:]], **long)
-        argmax = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
-        return {r: token for (r, _, _), token in zip(chunks, argmax, strict=True)
+            hidden = self.model(input_ids)
+        argmax = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+        return {r: token for (r, _, _), token in zip(chunks, argmax.unbind(), strict=True)
                 if self.progress[r] == len(self.known[r])}
 
-    def _draft(self, first: dict[str, int], slots: dict[str, int], tables: BlockTables) -> dict[str, list[int]]:
-        """From each caught-up request's first draft, decode greedily in a scratch row for the rest."""
-        counts = {r: min(self.k, self.max_model_len - len(self.known[r])) for r in first}
-        drafts = {r: [token] for r, token in first.items() if counts[r] >= 1}
-        order = [r for r in drafts if counts[r] > 1]
+    def _draft(self, request_ids: list[str], first: dict[str, torch.Tensor], slots: dict[str, int],
+               tables: BlockTables) -> dict[str, list[int]]:
+        """From each caught-up request's first draft (a device scalar), decode greedily in a scratch row
+        for the rest; the drafts come to the host once, at the end."""
+        counts = {r: min(self.k, self.max_model_len - len(self.known[r])) for r in request_ids}
+        request_ids = [r for r in request_ids if counts[r] >= 1]
+        if not request_ids:
+            return {}
+        drafts = torch.stack([first[r] for r in request_ids]).unsqueeze(1).repeat(1, self.k)  # [R, k]
+        index = {r: i for i, r in enumerate(request_ids)}
+        order = [r for r in request_ids if counts[r] > 1]
         scratch = {r: self.scratch_base + i for i, r in enumerate(order)}
         if order:
             copy_slots(self.model, [slots[r] for r in order], [scratch[r] for r in order])
-        long = {"dtype": torch.long, "device": self.device}
         for step in range(1, self.k):
             active = [r for r in order if counts[r] > step]
             if not active:
                 break
-            rows = torch.tensor([tables.row(r) for r in active], **long)
-            positions = torch.tensor([len(self.known[r]) + step - 1 for r in active], **long)
-            width = max(tables.num_blocks(r) for r in active)
-            ctx = ForwardContext(
-                num_tokens=len(active), num_decodes=len(active),
-                slot_mapping=tables.slot_mapping(rows, positions, self.block_size),
-                decode_state_slots=torch.tensor([scratch[r] for r in active], **long),
-                decode_block_tables=tables.gather(rows, width), decode_seq_lens=positions + 1,
-                prefill_cu_seqlens=torch.zeros(1, **long), prefill_state_slots=torch.zeros(0, **long),
-                prefill_has_initial_state=torch.zeros(0, dtype=torch.bool, device=self.device),
-                prefill_sequences=(),
-            )
-            with set_forward_context(ctx):
-                hidden = self.model(torch.tensor([drafts[r][-1] for r in active], **long))
-            for r, token in zip(active, self.model.compute_logits(hidden).argmax(dim=-1).tolist(), strict=True):
-                drafts[r].append(token)
-        return drafts
+            (rows,) = self._device_longs([index[r] for r in active])
+            tokens = drafts[:, step - 1].index_select(0, rows)
+            argmax = self._decode(active, [len(self.known[r]) + step - 1 for r in active],
+                                  [scratch[r] for r in active], tokens, tables)
+            drafts[:, step].index_copy_(0, rows, argmax)
+        host = drafts.tolist()
+        return {r: host[index[r]][: counts[r]] for r in request_ids}

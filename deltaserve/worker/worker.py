@@ -258,23 +258,16 @@ class Worker:
 
         model = self.draft_weights
         # past the target's ids: the scratch block and slot that CUDA-graph padding writes to
-        self.runner.drafter = DraftModelRunner(
+        drafter = self.runner.drafter = DraftModelRunner(
             model, spec.num_speculative_tokens, cfg.block_size, plan.num_blocks + 1, plan.num_state_slots + 1,
             cfg.max_num_seqs, max_model_len, cfg.max_num_batched_tokens, self.device)
+        if self.device.type == "cuda" and not cfg.enforce_eager and _decode_is_capturable(model):
+            drafter.capture_graphs(capture_sizes(cfg.max_num_seqs))
         logger.info("draft model %s: %d drafts per step, on this rank", spec.model, spec.num_speculative_tokens)
 
     def _decode_is_capturable(self) -> bool:
-        """Every routed-expert layer must take the sync-free grouped GEMM (bf16 on sm90+); the loop that
-        other dtypes fall back to reads ids back to the host. A failed capture is not harmless (it
-        leaves the CUDA RNG mid-capture), so it is not attempted."""
         assert self.model is not None
-        for module in self.model.modules():
-            w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
-            if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
-                x = torch.empty(1, w13.shape[-1], dtype=w13.dtype, device=w13.device)
-                if not grouped_mm_supported(x, w13, w2):
-                    return False
-        return True
+        return _decode_is_capturable(self.model)
 
     def _capture_decode_graphs(self, pad_block: int, pad_state_slot: int) -> None:
         assert self.model is not None and self.runner is not None
@@ -325,3 +318,16 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
+
+
+def _decode_is_capturable(model: KimiLinearForCausalLM) -> bool:
+    """Every routed-expert layer must take the sync-free grouped GEMM (bf16 on sm90+); the loop that
+    other dtypes fall back to reads ids back to the host. A failed capture is not harmless (it
+    leaves the CUDA RNG mid-capture), so it is not attempted."""
+    for module in model.modules():
+        w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
+        if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
+            x = torch.empty(1, w13.shape[-1], dtype=w13.dtype, device=w13.device)
+            if not grouped_mm_supported(x, w13, w2):
+                return False
+    return True

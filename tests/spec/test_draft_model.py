@@ -108,3 +108,23 @@ def test_the_draft_models_caches_come_out_of_the_cache_budget(dirs):
     draft_bytes += sum(t.numel() * t.element_size() for layer in drafter.model.kda_layers()
                        for t in (layer.conv_state, layer.recurrent_state))
     assert draft_bytes <= 32 * 2**20 - worker.available_cache_bytes() + 2**20
+
+
+def test_the_drafters_decode_steps_through_the_graph_layout(dirs, reference):
+    """The draft model's decode steps (catching up and drafting) laid out as its CUDA graphs run them
+    (padded to a captured size, padding in the block and state row past the shared ids; eagerly here):
+    the target as its own draft still accepts everything."""
+    from deltaserve.worker.cuda_graph import DecodeGraphs
+
+    llm = LLM(model=dirs[0], **COMMON, max_num_seqs=4, speculative_config=spec(dirs[0], 3))
+    drafter = llm.llm_engine.executor.worker.runner.drafter
+    layout = DecodeGraphs(drafter.model, drafter.device, drafter.block_size, drafter.max_model_len,
+                          drafter.pad_block, drafter.pad_state_slot)
+    layout.lay_out_without_capture([2, 4])
+    drafter.graphs = layout
+    served, replay = [], layout.run
+    layout.run = lambda input_ids, ctx: served.append(ctx.num_decodes) or replay(input_ids, ctx)
+    assert run(llm, prompts(), greedy()) == reference
+    assert served and any(n not in (2, 4) for n in served), served  # padded batches
+    assert llm.get_metrics()["spec_decode"]["acceptance_rate"] == 1.0
+    assert_nothing_held(llm)
