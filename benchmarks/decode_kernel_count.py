@@ -1,10 +1,11 @@
-"""Kernels per decode step and the step's time, with each attention layer's input projections fused
-into one GEMM and without (issue 20: decode at small batches is bound by the number of kernels).
+"""Kernels per decode step and the step's time, with the fusions made after loading (each attention
+layer's input projections as one GEMM, the shared expert inside the routed experts' grouped GEMMs) and
+without them (issue 20: decode at small batches is bound by the number of kernels).
 
 For each variant one engine is built (random bf16 weights of --preset, CUDA graphs on). At each batch
 size: the median engine-core step with graphs (decode_timing), then a few steps run eagerly under
 torch.profiler (the graphs set aside), counting the CUDA kernels a step launches, their summed time,
-and the kernels that launch most. "separate" builds its engine with the fusion skipped.
+and the kernels that launch most. "separate" builds its engine with the fusions skipped.
 
 Usage (on the device, after `. benchmarks/device_setup.sh`):
   python benchmarks/decode_kernel_count.py --preset small --batches 1,64 --context 2048
@@ -67,10 +68,10 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    fuse = KimiLinearForCausalLM.fuse_input_projections
+    fuse = KimiLinearForCausalLM.fuse_after_loading
     print(f"{'variant':>9} {'batch':>5} {'graph ms':>9} {'kernels':>8} {'kernel ms':>9}", flush=True)
     for variant in args.variants.split(","):
-        KimiLinearForCausalLM.fuse_input_projections = fuse if variant == "fused" else (lambda self: None)
+        KimiLinearForCausalLM.fuse_after_loading = fuse if variant == "fused" else (lambda self: None)
         engine = LLMEngine(EngineConfig(
             model=f"random:{args.preset}", dtype="bfloat16", max_num_seqs=max(batches),
             max_model_len=args.context + 4 * (args.steps + args.warmup + 64), enable_prefix_caching=False,
@@ -91,7 +92,7 @@ def main() -> None:
                     print(f"{'':>16}{n:6.0f}  {name}", flush=True)
         finally:
             engine.shutdown()
-    KimiLinearForCausalLM.fuse_input_projections = fuse
+    KimiLinearForCausalLM.fuse_after_loading = fuse
     today = datetime.date.today().isoformat()
     info = machine(None)
     info["device"] = torch.cuda.get_device_name()
@@ -99,7 +100,8 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump({"date": today, **info, "args": vars(args), "rows": rows,
                    "what": "median engine-core decode step with CUDA graphs; kernels and kernel time per eager "
-                           "decode step under torch.profiler; input projections fused or separate"}, f, indent=1)
+                           "decode step under torch.profiler; input projections and shared expert fused or "
+                           "separate"}, f, indent=1)
     print(f"wrote {path}")
 
 

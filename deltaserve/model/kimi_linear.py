@@ -205,10 +205,14 @@ class KimiLinearForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers.values() if not layer.is_kda]
 
     # Weights ---------------------------------------------------------------------------------
-    def fuse_input_projections(self) -> None:
-        """After loading: each attention layer's input projections as one GEMM (KDA's four, MLA's two)."""
+    def fuse_after_loading(self) -> None:
+        """After loading: each attention layer's input projections as one GEMM (KDA's four, MLA's two),
+        and each MoE layer's shared expert inside its routed experts' grouped GEMMs."""
         for layer in [*self.kda_layers(), *self.mla_layers()]:
             layer.fuse_input_projections()
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.fuse_shared_expert()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (hub layout) into this stage's parameters.

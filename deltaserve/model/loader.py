@@ -71,7 +71,7 @@ def load_model(
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
-    model.fuse_input_projections()
+    model.fuse_after_loading()
     return model.eval()
 
 

@@ -179,9 +179,10 @@ def test_expert_parallel_ranks_hold_only_their_experts(parity_run, world):
             assert np.array_equal(w2, ref_w2[start : start + per_rank]), (world, rank, layer_id)
             seen_layers.add(layer_id)
     assert seen_layers == set(reference)
-    # without expert parallelism each TP rank holds a slice of every expert instead
+    # without expert parallelism each TP rank holds a slice of every expert instead, and of the shared
+    # expert, which rides at the end of the stack (SparseMoE.fuse_shared_expert)
     w13, w2 = next(iter(parity_run.experts["tp2"][0].values()))
-    assert w13.shape == (8, 32, 64) and w2.shape == (8, 64, 16)
+    assert w13.shape == (9, 32, 64) and w2.shape == (9, 64, 16)
 
 
 def test_expert_parallel_refuses_experts_that_do_not_divide(model_dir):

@@ -1,5 +1,6 @@
-"""Each attention layer's input projections run as one GEMM after loading (KDA: q/k/v, f_a, b, g_a;
-MLA: q or q_a, kv_a): the same outputs as the separate layers, which stay views of the fused weight."""
+"""After loading, each attention layer's input projections run as one GEMM (KDA: q/k/v, f_a, b, g_a;
+MLA: q or q_a, kv_a) and a single shared expert runs inside the routed experts' grouped GEMMs: the same
+outputs as the separate layers, whose weights stay views of the fused ones."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hf_reference import checkpoint_dir, random_prompts, tiny_hub_config
 from deltaserve import LLM, SamplingParams
 from deltaserve.config.parallel import ParallelConfig
 from deltaserve.model.layers.linear import Linear, fuse_weights
+from deltaserve.model.layers.moe import SparseMoE
 
 
 def test_fused_weights_are_the_layers_side_by_side():
@@ -29,7 +31,7 @@ def test_fused_weights_are_the_layers_side_by_side():
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
-def test_fused_projections_match_the_separate_layers(tmp_path_factory, q_lora_rank):
+def test_fusions_match_the_separate_layers(tmp_path_factory, q_lora_rank):
     config = tiny_hub_config(q_lora_rank=q_lora_rank)
     model_dir, _ = checkpoint_dir(tmp_path_factory, f"fused-{q_lora_rank}", config, seed=3)
     prompts = random_prompts([9, 40], config["vocab_size"], 3)
@@ -39,10 +41,13 @@ def test_fused_projections_match_the_separate_layers(tmp_path_factory, q_lora_ra
         llm = LLM(model=model_dir, dtype="float32", device="cpu", block_size=16)
         model = llm.llm_engine.executor.worker.runner.model
         layers = [*model.kda_layers(), *model.mla_layers()]
-        assert all(layer.in_proj_weight is not None for layer in layers)
+        moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        assert all(layer.in_proj_weight is not None for layer in layers) and all(m.shared_fused for m in moes)
         if not fused:
             for layer in layers:
                 layer.in_proj_weight = None
+            for moe in moes:  # the routed ids never pick expert E: the stack's last group stays empty
+                moe.shared_fused = False
         runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     for a, b in zip(*runs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

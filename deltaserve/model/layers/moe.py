@@ -108,6 +108,28 @@ class SparseMoE(nn.Module):
             if config.num_shared_experts
             else None
         )
+        # after loading: the shared expert as routed expert E, chosen by every token (fuse_shared_expert)
+        self.shared_fused = False
+
+    def fuse_shared_expert(self) -> None:
+        """After loading: a single shared expert (Kimi Linear has one) becomes expert E of the routed
+        stack, chosen for every token with weight 1, so the grouped GEMMs compute it with the routed ones
+        instead of a separate MLP and add (fewer kernels per decode step). Its TP split is the routed
+        experts' (gate and up rows, down columns), so its weights move as they are; the shared MLP's
+        parameters become views of them. Not under expert parallelism (routed experts are whole there,
+        the shared one is split), nor with several shared experts (their split differs)."""
+        shared = self.shared_experts
+        if shared is None or self.expert_map is not None or self.config.num_shared_experts != 1:
+            return
+        self.w13.data = torch.cat([self.w13.data, shared.gate_up_proj.weight.data.unsqueeze(0)])
+        self.w2.data = torch.cat([self.w2.data, shared.down_proj.weight.data.unsqueeze(0)])
+        shared.gate_up_proj.weight.data = self.w13.data[-1]
+        shared.down_proj.weight.data = self.w2.data[-1]
+        device = self.w13.device
+        self.register_buffer("shared_id", torch.full((1, 1), self.config.num_experts, device=device),
+                             persistent=False)
+        self.register_buffer("shared_weight", torch.ones(1, 1, device=device), persistent=False)
+        self.shared_fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], summed over the TP group (every TP rank runs it)."""
@@ -117,6 +139,11 @@ class SparseMoE(nn.Module):
             router_logits, self.e_score_correction_bias, cfg.num_experts_per_token,
             cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize, cfg.routed_scaling_factor,
         )
+        if self.shared_fused:  # the shared expert rides along as expert E, weight 1
+            rows = ids.shape[0]
+            ids = torch.cat([ids, self.shared_id.expand(rows, 1)], dim=1)
+            weights = torch.cat([weights, self.shared_weight.expand(rows, 1)], dim=1)
+            return tp_all_reduce(fused_moe(x, self.w13, self.w2, weights, ids, None))
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
