@@ -54,3 +54,19 @@ def test_fusions_match_the_separate_layers(tmp_path_factory, q_lora_rank):
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert step_a.keys() == step_b.keys()
             assert all(abs(step_a[t].logprob - step_b[t].logprob) < 1e-5 for t in step_a)
+
+
+def test_prefill_chunks_expand_their_latents_in_groups():
+    """MLA prefill expands consecutive chunks' latents by one GEMM while they hold at most
+    EXPANSION_GROUP_TOKENS cached tokens together; a longer chunk goes alone."""
+    from deltaserve.model.forward_context import PrefillSequence
+    from deltaserve.model.layers import mla
+
+    cap = mla.EXPANSION_GROUP_TOKENS
+
+    def chunk(context, new):
+        return PrefillSequence(0, new, context, torch.zeros(1, dtype=torch.long))
+
+    chunks = (chunk(0, 100), chunk(cap - 1000, 900), chunk(0, 700), chunk(2 * cap, 10), chunk(1, 2))
+    groups = mla._expansion_groups(chunks)
+    assert [[chunks.index(c) for c in g] for g in groups] == [[0, 1], [2], [3], [4]]

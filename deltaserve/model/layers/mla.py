@@ -22,7 +22,7 @@ from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.distributed import dcp_all_gather, tp_all_reduce
 from deltaserve.distributed.dcp_layout import DCPLayout
-from deltaserve.model.forward_context import get_forward_context
+from deltaserve.model.forward_context import PrefillSequence, get_forward_context
 from deltaserve.model.layers.linear import Linear, fuse_weights
 from deltaserve.model.layers.norm import RMSNorm
 from deltaserve.ops.mla import gather_latents, merge_partial_attentions, paged_mla_decode, write_latents
@@ -107,18 +107,25 @@ class MultiheadLatentAttention(nn.Module):
             else:
                 o_latent = self._decode_over_stripes(q_latent, q_pe, ctx.dcp)
             out[:nd] = torch.einsum("bhr,hvr->bhv", o_latent.to(x.dtype), w_uv)
-        for seq in ctx.prefill_sequences:
-            rows = slice(seq.token_start, seq.token_start + seq.num_new_tokens)
+        for group in _expansion_groups(ctx.prefill_sequences):
+            # every sequence's cached latents (context and new tokens), expanded to K/V by one GEMM a group
             if ctx.dcp is None:
-                cached = gather_latents(self.kv_cache, seq.block_ids, seq.num_context_tokens + seq.num_new_tokens)
-            else:  # the context from the group's stripes, the new tokens as computed here
-                context = self._gather_context(seq.block_ids, seq.num_context_tokens, ctx.dcp)
-                cached = torch.cat([context, entries[rows].to(context.dtype)])
-            c, kpe = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+                latents = [gather_latents(self.kv_cache, seq.block_ids, seq.num_context_tokens + seq.num_new_tokens)
+                           for seq in group]
+            else:
+                latents = []
+                for seq in group:  # the context from the DCP group's stripes, the new tokens as computed here
+                    context = self._gather_context(seq.block_ids, seq.num_context_tokens, ctx.dcp)
+                    latents.append(torch.cat([context, entries[_rows(seq)].to(context.dtype)]))
+            c, kpe = (latents[0] if len(latents) == 1 else torch.cat(latents)).split(
+                [self.kv_lora_rank, self.rope_dim], dim=-1)
             kv = self.kv_b_proj(c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
-            out[rows] = attention_prefill(q[rows], k, v, self.scale, seq.num_context_tokens)
+            lengths = [seq.num_context_tokens + seq.num_new_tokens for seq in group]
+            for seq, k_seq, v_seq in zip(group, k.split(lengths), v.split(lengths), strict=True):
+                rows = _rows(seq)
+                out[rows] = attention_prefill(q[rows], k_seq, v_seq, self.scale, seq.num_context_tokens)
         return tp_all_reduce(self.o_proj(out.reshape(-1, self.num_heads * self.v_dim)))
 
     def _decode_over_stripes(self, q_latent: torch.Tensor, q_pe: torch.Tensor, dcp: DCPLayout) -> torch.Tensor:
@@ -154,3 +161,27 @@ class MultiheadLatentAttention(nn.Module):
         for r in range(dcp.size):
             context[positions[r].to(context.device)] = parts[r, : lengths[r]]
         return context
+
+
+# prefill chunks whose latents are expanded together hold at most this many cached tokens (a longer one
+# goes alone): one GEMM for many short chunks, without holding every long chunk's K/V at once
+EXPANSION_GROUP_TOKENS = 32768
+
+
+def _rows(seq: PrefillSequence) -> slice:
+    return slice(seq.token_start, seq.token_start + seq.num_new_tokens)
+
+
+def _expansion_groups(sequences: tuple[PrefillSequence, ...]) -> list[list[PrefillSequence]]:
+    """Consecutive prefill chunks in groups of at most EXPANSION_GROUP_TOKENS cached tokens each."""
+    groups: list[list[PrefillSequence]] = []
+    total = 0
+    for seq in sequences:
+        length = seq.num_context_tokens + seq.num_new_tokens
+        if groups and total + length <= EXPANSION_GROUP_TOKENS:
+            groups[-1].append(seq)
+            total += length
+        else:
+            groups.append([seq])
+            total = length
+    return groups
