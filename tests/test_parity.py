@@ -8,6 +8,7 @@ make greedy tokens a sharp check where random weights' near-flat logits tie.
 from __future__ import annotations
 
 import pytest
+from graph_replay import check_replays_against_layout
 from hf_reference import checkpoint_dir, greedy_reference, random_prompts, tiny_hub_config
 from trained_model import heldout_prompts, load_hf_trained, reference_or_skip
 
@@ -183,8 +184,6 @@ def test_gpu_bf16_graph_replay_equals_its_eager_layout(gpu_case):
     Against plain eager decoding a graph differs only by that padding: a batch of B runs as the
     captured size, so GEMMs of another row count and another MLA split count round bf16 differently
     (test_gpu_bf16_graphs_match_eager)."""
-    import torch
-
     from deltaserve.worker.cuda_graph import DecodeGraphs
 
     model_dir, prompts = gpu_case
@@ -196,20 +195,7 @@ def test_gpu_bf16_graph_replay_equals_its_eager_layout(gpu_case):
     layout = DecodeGraphs(graphs.model, graphs.device, graphs.block_size, graphs.max_model_len, graphs.pad_block,
                           graphs.pad_state_slot)
     layout.lay_out_without_capture(sorted(graphs.graphs))
-    layers = list(runner.model.kda_layers())
-    same, replay = [], graphs.run
-
-    def checked_run(input_ids, context):
-        saved = [(t, t.clone()) for layer in layers for t in (layer.conv_state, layer.recurrent_state)]
-        with torch.inference_mode():
-            eager = layout.run(input_ids, context).clone()
-        for tensor, copy in saved:
-            tensor.copy_(copy)
-        logits = replay(input_ids, context)
-        same.append(torch.equal(logits, eager))
-        return logits
-
-    graphs.run = checked_run
+    same = check_replays_against_layout(runner, graphs, layout)
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     llm.llm_engine.shutdown()
     assert same and all(same), f"{same.count(False)} of {len(same)} replays differ from their eager layout"

@@ -72,13 +72,17 @@ class ForwardContext:
         return len(self.prefill_sequences)
 
     @property
-    def num_kda_prefills(self) -> int:
-        return len(self.prefill_sequences)
-
-    @property
     def num_mla_decodes(self) -> int:
         """Rows MLA decodes: the decode rows and every verify window's tokens."""
         return self.num_decodes + self.num_verify_tokens
+
+
+def no_prefill_fields(device: torch.device) -> dict[str, object]:
+    """ForwardContext's prefill fields for a step without prefill chunks (decode rows and verify windows)."""
+    long = {"dtype": torch.long, "device": device}
+    return {"prefill_cu_seqlens": torch.zeros(1, **long), "prefill_state_slots": torch.zeros(0, **long),
+            "prefill_has_initial_state": torch.zeros(0, dtype=torch.bool, device=device),
+            "prefill_sequences": ()}
 
 
 _current: ForwardContext | None = None

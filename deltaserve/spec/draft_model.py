@@ -26,11 +26,12 @@ import torch
 
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.distributed.parallel_state import without_groups
-from deltaserve.model.forward_context import ForwardContext, PrefillSequence, set_forward_context
+from deltaserve.model.forward_context import ForwardContext, PrefillSequence, no_prefill_fields, set_forward_context
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker.host_transfer import to_device
 from deltaserve.worker.model_runner import copy_slots
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
@@ -102,35 +103,21 @@ class DraftModelRunner:
                 first.update(self._catch_up(long, slots, tables))
             return self._draft([r for r in sampled if r in first], first, slots, tables)
 
-    def _device_longs(self, *lists: list[int]) -> list[torch.Tensor]:
-        """Host lists as long tensors on the device, by one pinned copy that does not wait for the device."""
-        flat = [x for values in lists for x in values]
-        host = torch.tensor(flat, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(self.device, non_blocking=True)
-        out, start = [], 0
-        for values in lists:
-            out.append(packed[start : start + len(values)])
-            start += len(values)
-        return out
-
     def _decode(self, request_ids: list[str], positions: list[int], slots: list[int], input_ids: torch.Tensor,
                 tables: BlockTables) -> torch.Tensor:
         """One decode step: input_ids [B] (on the device) at `positions`, each request's state in `slots`
         -> the argmax token after each [B] on the device (no host sync)."""
-        rows, position, state_slots = self._device_longs([tables.row(r) for r in request_ids], positions, slots)
+        dev = to_device(self.device, {"rows": [tables.row(r) for r in request_ids], "positions": positions,
+                                      "slots": slots})
+        rows, position = dev["rows"], dev["positions"]
         width = max(tables.num_blocks(r) for r in request_ids)
-        long = {"dtype": torch.long, "device": self.device}
         ctx = ForwardContext(
             num_tokens=len(request_ids), num_decodes=len(request_ids),
             slot_mapping=tables.slot_mapping(rows, position, self.block_size),
-            decode_state_slots=state_slots, decode_block_tables=tables.gather(rows, width),
-            decode_seq_lens=position + 1, prefill_cu_seqlens=torch.zeros(1, **long),
-            prefill_state_slots=torch.zeros(0, **long),
-            prefill_has_initial_state=torch.zeros(0, dtype=torch.bool, device=self.device), prefill_sequences=(),
+            decode_state_slots=dev["slots"], decode_block_tables=tables.gather(rows, width),
+            decode_seq_lens=position + 1, **no_prefill_fields(self.device),
         )
-        if self.graphs is not None and self.graphs.graph_size(len(request_ids)) is not None:
+        if self.graphs is not None and self.graphs.size_for(ctx) is not None:
             return self.graphs.run(input_ids, ctx).argmax(dim=-1)
         with set_forward_context(ctx):
             return self.model.compute_logits(self.model(input_ids)).argmax(dim=-1)
@@ -144,13 +131,13 @@ class DraftModelRunner:
         for step in range(max(len(tokens) for tokens in unseen.values())):
             active = [i for i, r in enumerate(request_ids) if len(unseen[request_ids[i]]) > step]
             names = [request_ids[i] for i in active]
-            tokens, ends, at = self._device_longs(
-                [unseen[r][step] for r in names],
-                [j for j, r in enumerate(names) if len(unseen[r]) == step + 1],
-                [i for i in active if len(unseen[request_ids[i]]) == step + 1])
+            dev = to_device(self.device, {
+                "tokens": [unseen[r][step] for r in names],
+                "ends": [j for j, r in enumerate(names) if len(unseen[r]) == step + 1],  # last token now
+                "at": [i for i in active if len(unseen[request_ids[i]]) == step + 1]})
             argmax = self._decode(names, [self.progress[r] + step for r in names], [slots[r] for r in names],
-                                  tokens, tables)
-            first.index_copy_(0, at, argmax.index_select(0, ends))
+                                  dev["tokens"], tables)
+            first.index_copy_(0, dev["at"], argmax.index_select(0, dev["ends"]))
         for r in request_ids:
             self.progress[r] = len(self.known[r])
         return first
@@ -176,20 +163,20 @@ class DraftModelRunner:
             cu.append(len(ids))
         long = {"dtype": torch.long, "device": self.device}
         empty = torch.zeros(0, **long)
-        token_rows, token_positions, cu_seqlens, state_slots, input_ids, last, has_state = self._device_longs(
-            row_of_token, positions, cu, [slots[r] for r, _, _ in chunks], ids, [c - 1 for c in cu[1:]],
-            [int(start > 0) for _, start, _ in chunks])
+        dev = to_device(self.device, {
+            "rows": row_of_token, "positions": positions, "cu": cu, "slots": [slots[r] for r, _, _ in chunks],
+            "ids": ids, "last": [c - 1 for c in cu[1:]], "has_state": [int(start > 0) for _, start, _ in chunks]})
         ctx = ForwardContext(
             num_tokens=len(ids), num_decodes=0,
-            slot_mapping=tables.slot_mapping(token_rows, token_positions, self.block_size),
+            slot_mapping=tables.slot_mapping(dev["rows"], dev["positions"], self.block_size),
             decode_state_slots=empty, decode_block_tables=torch.zeros(0, 1, **long), decode_seq_lens=empty,
-            prefill_cu_seqlens=cu_seqlens, prefill_state_slots=state_slots,
-            prefill_has_initial_state=has_state.bool(),
+            prefill_cu_seqlens=dev["cu"], prefill_state_slots=dev["slots"],
+            prefill_has_initial_state=dev["has_state"].bool(),
             prefill_sequences=tuple(sequences), prefill_cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long),
         )
         with set_forward_context(ctx):
-            hidden = self.model(input_ids)
-        argmax = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+            hidden = self.model(dev["ids"])
+        argmax = self.model.compute_logits(hidden.index_select(0, dev["last"])).argmax(dim=-1)
         return {r: token for (r, _, _), token in zip(chunks, argmax.unbind(), strict=True)
                 if self.progress[r] == len(self.known[r])}
 
@@ -211,7 +198,7 @@ class DraftModelRunner:
             active = [r for r in order if counts[r] > step]
             if not active:
                 break
-            (rows,) = self._device_longs([index[r] for r in active])
+            rows = to_device(self.device, {"rows": [index[r] for r in active]})["rows"]
             tokens = drafts[:, step - 1].index_select(0, rows)
             argmax = self._decode(active, [len(self.known[r]) + step - 1 for r in active],
                                   [scratch[r] for r in active], tokens, tables)

@@ -17,6 +17,7 @@ j + 1 tokens leaves.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -111,7 +112,7 @@ def _window_groups(seq_lens: list[int], state_indices: torch.Tensor, device: tor
                    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per group of equal-length windows: (count, length, their flat rows [count * length] sequence-major,
     their slots [count, length], num_accepted [count] of ones: each starts from its first slot)."""
-    starts = [sum(seq_lens[:n]) for n in range(len(seq_lens))]
+    starts = [0, *itertools.accumulate(seq_lens)]
     for length, members in _groups_by_length(seq_lens).items():
         rows = torch.tensor([starts[m] + t for m in members for t in range(length)], dtype=torch.long, device=device)
         pick = torch.tensor(members, dtype=torch.long, device=state_indices.device)

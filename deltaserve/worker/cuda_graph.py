@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deltaserve.model.forward_context import ForwardContext, set_forward_context
+from deltaserve.model.forward_context import ForwardContext, no_prefill_fields, set_forward_context
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,14 @@ class StepGraphs:
             return None
         return min(s for s in sizes if s >= num_sequences)
 
+    def size_for(self, context: ForwardContext) -> int | None:
+        """The graph size that serves this step, or None."""
+        raise NotImplementedError
+
+    def run(self, input_ids: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """Replay for one step this kind serves: input_ids [T] -> logits [T, vocab] of its rows, in order."""
+        raise NotImplementedError
+
     def _replay(self, size: int) -> torch.Tensor:
         """Replay this size's graph (or run its layout eagerly) on the filled buffers -> its logits rows;
         the model's `captured_taps` then hold the layout's tap rows, as after an eager forward."""
@@ -133,9 +141,7 @@ class DecodeGraphs(StepGraphs):
         self.state_slots = torch.full((max_size,), self.pad_state_slot, dtype=long, device=dev)
         self.block_tables = torch.full((max_size, self.max_blocks), self.pad_block, dtype=long, device=dev)
         self.seq_lens = torch.ones(max_size, dtype=long, device=dev)
-        self._empty_long = torch.zeros(0, dtype=long, device=dev)
-        self._cu = torch.zeros(1, dtype=long, device=dev)
-        self._empty_bool = torch.zeros(0, dtype=torch.bool, device=dev)
+        self._no_prefill = no_prefill_fields(dev)
 
     def _context(self, size: int) -> ForwardContext:
         return ForwardContext(
@@ -145,11 +151,8 @@ class DecodeGraphs(StepGraphs):
             decode_state_slots=self.state_slots[:size],
             decode_block_tables=self.block_tables[:size],
             decode_seq_lens=self.seq_lens[:size],
-            prefill_cu_seqlens=self._cu,
-            prefill_state_slots=self._empty_long,
-            prefill_has_initial_state=self._empty_bool,
-            prefill_sequences=(),
             decode_max_seq_len=self.max_model_len,
+            **self._no_prefill,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -157,10 +160,16 @@ class DecodeGraphs(StepGraphs):
             hidden = self.model(self.input_ids[:size])
         return self.model.compute_logits(hidden)
 
+    def size_for(self, context: ForwardContext) -> int | None:
+        """The graph size that serves this step, or None: it must hold decode rows only."""
+        if context.num_prefills or context.num_verify_tokens:
+            return None
+        return self.graph_size(context.num_decodes)
+
     def run(self, input_ids: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Replay for one decode-only step; returns logits [B, vocab] of its B sequences (rows in order)."""
         batch = context.num_decodes
-        size = self.graph_size(batch)
+        size = self.size_for(context)
         assert size is not None
         self.input_ids[:batch].copy_(input_ids)
         self.slot_mapping[:batch].copy_(context.slot_mapping)

@@ -21,7 +21,6 @@ last stage samples, so under PP the scheduler never sends a placeholder (a decod
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.spec.rejection_sampler import RejectionOutput
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker.host_transfer import to_device
 from deltaserve.worker.prompt_logprobs import PromptLogprobPlan, prompt_logprob_tensors
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
 from deltaserve.worker.spec_verify import DraftVerifier, verified_tokens, verify_context, verify_host_arrays
@@ -47,28 +47,6 @@ from deltaserve.worker.verify_graph import VerifyGraphs
 
 def is_decode(chunk: ScheduledChunk) -> bool:
     return len(chunk.token_ids) == 1 and chunk.num_computed_tokens > 0
-
-
-def to_device(device: torch.device, arrays: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """Int lists -> a [len] int64 tensor each on `device`, by one host-to-device copy.
-
-    The lists are packed into one host buffer (an array, several times faster to fill than a tensor
-    from a list) and sliced on the device. On a GPU the buffer is copied into pinned memory and sent
-    non-blocking: the host does not wait for the device, and torch's caching host allocator keeps
-    the pinned block out of reuse until the copy that reads it has run.
-    """
-    flat = array("q")
-    for values in arrays.values():
-        flat.extend(values)
-    host = torch.frombuffer(flat, dtype=torch.long) if flat else torch.zeros(0, dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
-    views, start = {}, 0
-    for name, values in arrays.items():
-        views[name] = packed[start : start + len(values)]
-        start += len(values)
-    return views
 
 
 @dataclass
@@ -308,13 +286,10 @@ class ModelRunner:
         computes prompt logprobs."""
         step = self.prepare(scheduler_output)
         ctx = step.context
-        graphs, verify_graphs = self.decode_graphs, self.verify_graphs
-        if (graphs is not None and ctx.num_prefills == 0 and ctx.num_verify_tokens == 0
-                and graphs.graph_size(ctx.num_decodes) is not None):
-            rows, to_logits = graphs.run(step.input_ids, ctx), torch.Tensor.float  # logits of every decode row
-            logits = rows[step.sample_rows]
-        elif verify_graphs is not None and verify_graphs.size_for(ctx) is not None:
-            rows, to_logits = verify_graphs.run(step.input_ids, ctx), torch.Tensor.float  # every row's logits
+        graphs = next((g for g in (self.decode_graphs, self.verify_graphs)
+                       if g is not None and g.size_for(ctx) is not None), None)
+        if graphs is not None:
+            rows, to_logits = graphs.run(step.input_ids, ctx), torch.Tensor.float  # every row's logits
             logits = rows[step.sample_rows]
         else:
             with set_forward_context(ctx):
@@ -381,9 +356,8 @@ def copy_slots(model: KimiLinearForCausalLM, src: list[int], dst: list[int]) -> 
     layers = model.kda_layers()
     if not layers:
         return
-    device = layers[0].recurrent_state.device
-    src_index = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
-    dst_index = torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True)
+    index = to_device(layers[0].recurrent_state.device, {"src": src, "dst": dst})
+    src_index, dst_index = index["src"], index["dst"]
     for layer in layers:
         for pool in (layer.conv_state, layer.recurrent_state):
             pool.index_copy_(0, dst_index, pool.index_select(0, src_index))

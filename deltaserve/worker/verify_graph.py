@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.model.forward_context import ForwardContext, set_forward_context
+from deltaserve.model.forward_context import ForwardContext, no_prefill_fields, set_forward_context
 from deltaserve.worker.cuda_graph import StepGraphs, capture_sizes
+from deltaserve.worker.host_transfer import to_device
 
 # the most tokens one verify graph holds (vLLM's default largest capture is 512 tokens)
 MAX_VERIFY_GRAPH_TOKENS = 512
@@ -52,9 +53,8 @@ class VerifyGraphs(StepGraphs):
         self.seq_lens = torch.ones(rows, dtype=long, device=dev)
         self.state_indices = torch.full((max_size, self.window), self.pad_state_slot, dtype=long, device=dev)
         self.cu_seqlens = torch.arange(max_size + 1, dtype=long, device=dev) * self.window
-        self._empty_long = torch.zeros(0, dtype=long, device=dev)
-        self._cu = torch.zeros(1, dtype=long, device=dev)
-        self._empty_bool = torch.zeros(0, dtype=torch.bool, device=dev)
+        self._no_decodes = torch.zeros(0, dtype=long, device=dev)
+        self._no_prefill = no_prefill_fields(dev)
 
     def _context(self, size: int) -> ForwardContext:
         rows = size * self.window
@@ -62,18 +62,15 @@ class VerifyGraphs(StepGraphs):
             num_tokens=rows,
             num_decodes=0,
             slot_mapping=self.slot_mapping[:rows],
-            decode_state_slots=self._empty_long,
+            decode_state_slots=self._no_decodes,
             decode_block_tables=self.block_tables[:rows],
             decode_seq_lens=self.seq_lens[:rows],
-            prefill_cu_seqlens=self._cu,
-            prefill_state_slots=self._empty_long,
-            prefill_has_initial_state=self._empty_bool,
-            prefill_sequences=(),
             decode_max_seq_len=self.max_model_len,
             num_verify_tokens=rows,
             verify_seq_lens=(self.window,) * size,
             verify_cu_seqlens=self.cu_seqlens[: size + 1],
             verify_state_indices=self.state_indices[:size],
+            **self._no_prefill,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -106,11 +103,8 @@ class VerifyGraphs(StepGraphs):
             first = (decodes + j) * window
             dest += range(first, first + length)
             source += range(j * width, j * width + length)
-        host = torch.tensor(dest + source, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        positions = host.to(self.device, non_blocking=True)
-        dest_rows, source_entries = positions[: len(dest)], positions[len(dest):]
+        index = to_device(self.device, {"dest": dest, "source": source})
+        dest_rows, source_entries = index["dest"], index["source"]
 
         rows = size * window
         self.input_ids[:rows].zero_()

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from graph_replay import check_replays_against_layout
 from hf_reference import checkpoint_dir, random_prompts, tiny_hub_config
 
 from deltaserve import LLM, SamplingParams
@@ -280,20 +281,7 @@ def test_cuda_verify_graph_replay_equals_its_eager_layout(model_dir):
     layout = VerifyGraphs(graphs.model, graphs.device, graphs.block_size, graphs.max_model_len, graphs.pad_block,
                           graphs.pad_state_slot, window=graphs.window)
     layout.lay_out_without_capture(sorted(graphs.graphs))
-    layers = list(runner.model.kda_layers())
-    same, replay = [], graphs.run
-
-    def checked_run(input_ids, context):
-        saved = [(t, t.clone()) for layer in layers for t in (layer.conv_state, layer.recurrent_state)]
-        with torch.inference_mode():
-            eager = layout.run(input_ids, context).clone()
-        for tensor, copy in saved:
-            tensor.copy_(copy)
-        logits = replay(input_ids, context)
-        same.append(torch.equal(logits, eager))
-        return logits
-
-    graphs.run = checked_run
+    same = check_replays_against_layout(runner, graphs, layout)
     run(llm, prompts, greedy())
     assert_counters_add_up(llm)
     llm.llm_engine.shutdown()

@@ -101,7 +101,7 @@ class KimiDeltaAttention(nn.Module):
                 mixed[verify], self.qkv_conv_weight, self.conv_state, list(ctx.verify_seq_lens),
                 ctx.verify_state_indices,
             ))
-        if ctx.num_kda_prefills and ctx.prefill_captures:
+        if ctx.num_prefills and ctx.prefill_captures:
             rows = mixed[first_prefill_row:]
             conv_parts.append(run_in_rounds(
                 lambda xs, cu, _, slots, initial: causal_conv1d_prefill(
@@ -109,7 +109,7 @@ class KimiDeltaAttention(nn.Module):
                 [rows], ctx.prefill_cu_seqlens_cpu.tolist(), ctx.prefill_state_slots, ctx.prefill_has_initial_state,
                 ctx.prefill_captures, self.capture_conv, torch.empty_like(rows),
             ))
-        elif ctx.num_kda_prefills:
+        elif ctx.num_prefills:
             conv_parts.append(causal_conv1d_prefill(
                 mixed[first_prefill_row:],
                 self.qkv_conv_weight,
@@ -137,7 +137,7 @@ class KimiDeltaAttention(nn.Module):
                 q[verify], k[verify], v[verify], g[verify], beta[verify], self.scale, self.recurrent_state,
                 ctx.verify_cu_seqlens, list(ctx.verify_seq_lens), ctx.verify_state_indices, gate=gate_params,
             ))
-        if ctx.num_kda_prefills and ctx.prefill_captures:
+        if ctx.num_prefills and ctx.prefill_captures:
             p = slice(first_prefill_row, None)
             kda_parts.append(run_in_rounds(
                 lambda xs, cu, cu_cpu, slots, initial: kda_prefill(
@@ -146,7 +146,7 @@ class KimiDeltaAttention(nn.Module):
                 ctx.prefill_has_initial_state, ctx.prefill_captures, self.capture_recurrent,
                 torch.empty(v[p].shape, dtype=torch.float32, device=v.device),
             ))
-        elif ctx.num_kda_prefills:
+        elif ctx.num_prefills:
             p = slice(first_prefill_row, None)
             kda_parts.append(kda_prefill(
                 q[p], k[p], v[p], g[p], beta[p], self.scale,
