@@ -251,6 +251,26 @@ class Eagle3Head(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return self._finish(hidden, attn)
 
+    def extend(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+        past_k: torch.Tensor, past_v: torch.Tensor, past_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One call over T new entries for B requests whose caches are padded to one length S.
+
+        input_ids: [B, T]; hidden: [B, T, H]; position_ids: [B, T]; past_k, past_v: [B, Nq, S, D], the
+        cached entries (kv heads repeated, RoPE applied), valid where past_valid [B, S] is True. New entry
+        i attends to the valid past entries and to new entries <= i, so a request with fewer than T new
+        entries pads at the end (its padded rows are meaningless; its valid rows are exact). Returns out
+        [B, T, H] and the new entries' k, v [B, Nq, T, D]; the caller keeps the ones it wants.
+        """
+        q, k, v = self._inputs(input_ids, hidden, position_ids)
+        t = q.shape[2]
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        allowed = torch.cat([past_valid[:, None, :].expand(-1, t, -1), causal.expand(q.shape[0], t, t)], dim=-1)
+        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=self.scale)
+        return self._finish(hidden, attn), k, v
+
     def forward_ttt(self, input_ids: torch.Tensor, fused: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
         """Training-time test over a whole sequence: the logits of draft steps 0..num_steps-1.
 

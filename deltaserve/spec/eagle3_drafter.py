@@ -7,8 +7,10 @@ as one model on one rank, with a key/value cache per request:
 - step 0 adds one entry per position the target computed and kept this step (a verify window's accepted
   positions only): the fused taps at position t with the embedding of token t + 1, at RoPE position t;
 - from the last such entry it drafts greedily: the argmax is draft 1; each later draft feeds the previous
-  one with the head's own output as the hidden state, one position further; those entries are dropped
-  from the cache afterwards, so a rejected draft leaves nothing behind.
+  one with the head's own output as the hidden state, one position further; those entries live only in
+  the step's padded copy of the caches, so a rejected draft leaves nothing behind.
+Every request of a step goes through each head call together (padded to the longest, with a validity
+mask), and the drafts reach the host in one copy: k + 1 head calls and one sync per step at any batch.
 Positions the target did not compute here (a prefix hit, a P/D import) have no taps: the head's cache
 then starts at the first position it has taps for (its drafts see less context; outputs are unchanged,
 since every draft is verified).
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from deltaserve.core.scheduler_output import SchedulerOutput
-from deltaserve.model.eagle3 import Eagle3Config, Eagle3Head, Eagle3KVCache, load_eagle3, read_eagle3_config
+from deltaserve.model.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, read_eagle3_config
 from deltaserve.spec.known_tokens import KnownTokens
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
@@ -55,19 +57,42 @@ def _checked_config(model_dir: str, target_config: Any) -> Eagle3Config:
     return c
 
 
+class HeadCache:
+    """One request's step-0 entries: k and v [Nq, capacity, D] with the first `length` filled, grown by
+    doubling (appends copy only the new entries); entry 0 stands for target position `first_position`."""
+
+    def __init__(self, first_position: int) -> None:
+        self.first_position = first_position
+        self.length = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [Nq, n, D], the entries of the next n positions."""
+        n = k.shape[1]
+        if self.k is None or self.length + n > self.k.shape[1]:
+            capacity = max(2 * (self.length + n), 64)
+            grown_k = k.new_empty(k.shape[0], capacity, k.shape[2])
+            grown_v = v.new_empty(v.shape[0], capacity, v.shape[2])
+            if self.k is not None:
+                grown_k[:, : self.length] = self.k[:, : self.length]
+                grown_v[:, : self.length] = self.v[:, : self.length]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, self.length : self.length + n] = k
+        self.v[:, self.length : self.length + n] = v
+        self.length += n
+
+
 class Eagle3Drafter:
+    """Runs the head for every request of a step at once: one padded call adds the step-0 entries, one
+    call per draft position drafts for all sampled requests, and the drafts reach the host in one copy."""
+
     def __init__(self, head: Eagle3Head, k: int, max_model_len: int) -> None:
         self.head = head
         self.k = k
         self.max_model_len = max_model_len
         self.known = KnownTokens()
-        # per request: the head's cache of step-0 entries, and the position its first entry stands for
-        self.caches: dict[str, Eagle3KVCache] = {}
-        self.first_position: dict[str, int] = {}
-
-    def _forget(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
-        self.first_position.pop(request_id, None)
+        self.caches: dict[str, HeadCache] = {}
 
     @torch.inference_mode()
     def propose(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput,
@@ -77,58 +102,98 @@ class Eagle3Drafter:
         (`model.captured_taps`, [T, n * hidden]) and each chunk's first flat row (`step_rows`)."""
         self.known.note_step(scheduler_output)
         for request_id in scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids:
-            self._forget(request_id)
+            self.caches.pop(request_id, None)
         for new in scheduler_output.new_requests:
-            self._forget(new.request_id)
+            self.caches.pop(new.request_id, None)
         self.known.note_output(output)
         taps = runner.model.captured_taps
         if taps is None or not scheduler_output.chunks:
             return {}
-        fused = self.head.fuse(taps)  # [T, H]
         accepted = {r: 1 + len(output.extra_token_ids.get(r, [])) for r in output.request_ids}
-        sampled = set(output.request_ids)
-        drafts = {}
+        entries = []  # (request id, first new position, new entries, first tap row)
         for chunk in scheduler_output.chunks:
             request_id, start = chunk.request_id, chunk.num_computed_tokens
             count = accepted.get(request_id, 0) if chunk.is_verify else chunk.num_tokens
-            if count == 0:
-                continue
-            row = runner.step_rows[request_id]
-            out = self._add_entries(request_id, start, fused[row : row + count])
-            if request_id in sampled:
-                drafts[request_id] = self._draft(request_id, out[:, -1:])
-        return drafts
+            if count:
+                entries.append((request_id, start, count, runner.step_rows[request_id]))
+        if not entries:
+            return {}
+        out, past_k, past_v, past_valid = self._add_entries(entries, self.head.fuse(taps))
+        sampled = [i for i, e in enumerate(entries) if e[0] in accepted]
+        if not sampled:
+            return {}
+        return self._draft([entries[i] for i in sampled], *(x[sampled] for x in (out, past_k, past_v, past_valid)))
 
-    def _add_entries(self, request_id: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Step-0 entries for positions [start, start + n), hidden [n, H]: returns the head's out [1, n, H]."""
+    def _cache_for(self, request_id: str, start: int) -> HeadCache:
+        """The request's cache, started over at `start` when its entries do not reach there (a prefix hit,
+        a P/D import, a preemption)."""
         cache = self.caches.get(request_id)
-        first = self.first_position.get(request_id, start)
-        if cache is None or first + cache.length != start:  # a gap (a hit, an import, a rollback): start over
-            cache, first = Eagle3KVCache(), start
-            self.caches[request_id], self.first_position[request_id] = cache, first
-        known = self.known[request_id]
-        n = hidden.shape[0]
-        device = hidden.device
-        next_tokens = torch.tensor(known[start + 1 : start + 1 + n], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + n, device=device)
-        return self.head(next_tokens.view(1, n), hidden.view(1, n, -1), positions.view(1, n), cache)
+        if cache is None or cache.first_position + cache.length != start:
+            cache = self.caches[request_id] = HeadCache(start)
+        return cache
 
-    def _draft(self, request_id: str, out: torch.Tensor) -> list[int]:
-        """Greedy drafts after the request's last step-0 entry (out [1, 1, H]); the draft entries are
-        dropped from its cache afterwards."""
-        cache = self.caches[request_id]
-        kept = cache.length
-        known = self.known[request_id]
-        count = min(self.k, self.max_model_len - len(known))
-        drafts: list[int] = []
-        position = len(known) - 2  # the index of the last step-0 entry
-        for step in range(count):
-            token = int(self.head.compute_logits(out)[0, -1].argmax())
-            drafts.append(token)
-            if step + 1 == count:
+    def _add_entries(self, entries: list[tuple[str, int, int, int]], fused: torch.Tensor):
+        """One head call over every request's new step-0 entries (fused [T, H], the step's fused taps),
+        padded to the longest; each cache keeps its own. Returns the head's out [B, n, H] and the keys,
+        values [B, Nq, S + n, D] (past entries then the new ones) with their validity [B, S + n]."""
+        device = fused.device
+        caches = [self._cache_for(request_id, start) for request_id, start, _, _ in entries]
+        width = max(count for _, _, count, _ in entries)
+        rows, tokens, positions = [], [], []
+        for request_id, start, count, row in entries:
+            rows.append([row + min(i, count - 1) for i in range(width)])
+            following = self.known[request_id][start + 1 : start + 1 + count]
+            tokens.append(following + [0] * (width - len(following)))
+            positions.append(list(range(start, start + width)))
+        past = max(c.length for c in caches)
+        c = self.head.config
+        shape = (len(entries), c.num_attention_heads, past, c.head_dim)
+        past_k = fused.new_zeros(shape, dtype=self.head.fc.weight.dtype)
+        past_v = torch.zeros_like(past_k)
+        for b, cache in enumerate(caches):
+            if cache.length:
+                past_k[b, :, : cache.length] = cache.k[:, : cache.length]
+                past_v[b, :, : cache.length] = cache.v[:, : cache.length]
+        lengths = [[cache.length] for cache in caches]
+        counts = [[count] for _, _, count, _ in entries]
+        past_valid = torch.arange(past, device=device) < torch.tensor(lengths, device=device)
+        out, new_k, new_v = self.head.extend(
+            torch.tensor(tokens, device=device), fused[torch.tensor(rows, device=device)],
+            torch.tensor(positions, device=device), past_k, past_v, past_valid)
+        for b, (cache, (_, _, count, _)) in enumerate(zip(caches, entries, strict=True)):
+            cache.append(new_k[b, :, :count], new_v[b, :, :count])
+        new_valid = torch.arange(width, device=device) < torch.tensor(counts, device=device)
+        last = torch.tensor([count - 1 for _, _, count, _ in entries], device=device)
+        out = out[torch.arange(len(entries), device=device), last]  # [B, H]: each request's last entry
+        return (out, torch.cat([past_k, new_k], dim=2), torch.cat([past_v, new_v], dim=2),
+                torch.cat([past_valid, new_valid], dim=1))
+
+    def _draft(self, entries: list[tuple[str, int, int, int]], out: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, valid: torch.Tensor) -> dict[str, list[int]]:
+        """Greedy drafts for B sampled requests from their last step-0 entries (out [B, H]; keys, values
+        [B, Nq, S, D] and valid [B, S] as _add_entries returns them). Draft entries extend these padded
+        copies only, so the caches keep step-0 entries alone."""
+        device = out.device
+        counts = [max(0, min(self.k, self.max_model_len - len(self.known[e[0]]))) for e in entries]
+        steps = max(counts)
+        if steps <= 0:
+            return {e[0]: [] for e in entries}
+        # the last step-0 entry of each request stands at position start + count - 1
+        position = torch.tensor([[start + count - 1] for _, start, count, _ in entries], device=device)
+        grow = (0, 0, 0, steps - 1)
+        keys, values = torch.nn.functional.pad(keys, grow), torch.nn.functional.pad(values, grow)
+        valid = torch.nn.functional.pad(valid, (0, steps - 1))
+        column = valid.shape[1] - (steps - 1)
+        hidden = out[:, None]  # [B, 1, H]
+        drafted = []
+        for step in range(steps):
+            token = self.head.compute_logits(hidden)[:, 0].argmax(-1)  # [B]
+            drafted.append(token)
+            if step + 1 == steps:
                 break
-            ids = torch.tensor([[token]], dtype=torch.long, device=out.device)
-            pos = torch.tensor([[position + step + 1]], device=out.device)
-            out = self.head(ids, out, pos, cache)
-        cache.k, cache.v = cache.k[:, :, :kept], cache.v[:, :, :kept]
-        return drafts
+            hidden, k, v = self.head.extend(token[:, None], hidden, position + step + 1, keys[:, :, :column + step],
+                                            values[:, :, :column + step], valid[:, :column + step])
+            keys[:, :, column + step], values[:, :, column + step] = k[:, :, 0], v[:, :, 0]
+            valid[:, column + step] = True
+        rows = torch.stack(drafted, dim=1).tolist()  # the one host copy
+        return {e[0]: rows[i][: counts[i]] for i, e in enumerate(entries)}

@@ -105,6 +105,19 @@ def test_eagle3_k_with_chunked_prefill_preemption_and_an_abort(dirs, reference, 
     assert_nothing_held(llm)
 
 
+def record_drafts(drafter) -> list:
+    """A list that collects each step's proposals (sorted by request) from now on."""
+    drafts, propose = [], drafter.propose
+
+    def recording(*args):
+        proposed = propose(*args)
+        drafts.append(sorted(proposed.items()))
+        return proposed
+
+    drafter.propose = recording
+    return drafts
+
+
 def test_eagle3_taps_come_through_the_graph_layouts(dirs, reference):
     """Decode and verify steps laid out as their CUDA graphs would run them (padded, decode rows as
     one-token windows, run eagerly here) hand the drafter the tap rows of the step's own rows: every
@@ -118,14 +131,7 @@ def test_eagle3_taps_come_through_the_graph_layouts(dirs, reference):
     def drafting(layouts):
         llm = LLM(model=dirs[0], **options, speculative_config=spec(dirs[1]))
         runner = llm.llm_engine.executor.worker.runner
-        drafts, propose = [], runner.drafter.propose
-
-        def recording(*args):
-            proposed = propose(*args)
-            drafts.append(sorted(proposed.items()))
-            return proposed
-
-        runner.drafter.propose = recording
+        drafts = record_drafts(runner.drafter)
         served = None
         if layouts:
             served = lay_out_verify_graphs(llm, 3, sizes=(1, 2, 4))
@@ -141,3 +147,107 @@ def test_eagle3_taps_come_through_the_graph_layouts(dirs, reference):
     laid_out, served = drafting(True)
     assert any(decodes or len(set(lengths)) > 1 for decodes, lengths in served), served  # rows reordered
     assert laid_out == plain
+
+
+def test_padded_extend_matches_one_request_at_a_time():
+    """Requests with caches of different lengths and different numbers of new entries, padded into one
+    call, get the outputs and entries each gets alone (float64)."""
+    from deltaserve.model.eagle3 import Eagle3KVCache
+
+    head = random_eagle3_head(40, 16, 8, seed=5).double()
+    c = head.config
+    lengths, counts = [0, 5, 2], [3, 1, 4]
+    alone_out, caches = [], []
+    past_k = torch.zeros(3, c.num_attention_heads, max(lengths), c.head_dim, dtype=torch.float64)
+    past_v = torch.zeros_like(past_k)
+    width = max(counts)
+    tokens = torch.randint(0, 40, (3, width))
+    hidden = torch.randn(3, width, 16, dtype=torch.float64)
+    for b, (length, count) in enumerate(zip(lengths, counts, strict=True)):
+        cache = Eagle3KVCache()
+        if length:
+            head(torch.randint(0, 40, (1, length)), torch.randn(1, length, 16, dtype=torch.float64),
+                 torch.arange(length)[None], cache)
+            past_k[b, :, :length], past_v[b, :, :length] = cache.k[0], cache.v[0]
+        positions = torch.arange(length, length + count)[None]
+        alone_out.append(head(tokens[b : b + 1, :count], hidden[b : b + 1, :count], positions, cache)[0])
+        caches.append(cache)
+    valid = torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]
+    positions = torch.tensor(lengths)[:, None] + torch.arange(width)
+    out, k, v = head.extend(tokens, hidden, positions, past_k, past_v, valid)
+    for b, (length, count) in enumerate(zip(lengths, counts, strict=True)):
+        torch.testing.assert_close(out[b, :count], alone_out[b], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(k[b, :, :count], caches[b].k[0, :, length:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v[b, :, :count], caches[b].v[0, :, length:], rtol=1e-12, atol=1e-12)
+
+
+class OneAtATimeDrafter:
+    """The drafter as it was: one head call per request for its step-0 entries, then one per draft (with a
+    host sync each); the batched drafter must give the same drafts."""
+
+    def __init__(self, head, k, max_model_len):
+        from deltaserve.spec.known_tokens import KnownTokens
+
+        self.head, self.k, self.max_model_len, self.known = head, k, max_model_len, KnownTokens()
+        self.caches, self.first = {}, {}
+
+    @torch.inference_mode()
+    def propose(self, scheduler_output, output, runner):
+        from deltaserve.model.eagle3 import Eagle3KVCache
+
+        self.known.note_step(scheduler_output)
+        gone = scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids
+        for request_id in gone + [n.request_id for n in scheduler_output.new_requests]:
+            self.caches.pop(request_id, None)
+            self.first.pop(request_id, None)
+        self.known.note_output(output)
+        taps = runner.model.captured_taps
+        if taps is None or not scheduler_output.chunks:
+            return {}
+        fused = self.head.fuse(taps)
+        accepted = {r: 1 + len(output.extra_token_ids.get(r, [])) for r in output.request_ids}
+        drafts = {}
+        for chunk in scheduler_output.chunks:
+            rid, start = chunk.request_id, chunk.num_computed_tokens
+            count = accepted.get(rid, 0) if chunk.is_verify else chunk.num_tokens
+            if count == 0:
+                continue
+            cache, first = self.caches.get(rid), self.first.get(rid, start)
+            if cache is None or first + cache.length != start:
+                cache = self.caches[rid] = Eagle3KVCache()
+                self.first[rid] = start
+            row = runner.step_rows[rid]
+            known = self.known[rid]
+            out = self.head(torch.tensor([known[start + 1 : start + 1 + count]]), fused[row : row + count][None],
+                            torch.arange(start, start + count)[None], cache)[:, -1:]
+            if rid not in accepted:
+                continue
+            kept, position, rid_drafts = cache.length, len(known) - 2, []
+            n = min(self.k, self.max_model_len - len(known))
+            for step in range(n):
+                rid_drafts.append(int(self.head.compute_logits(out)[0, -1].argmax()))
+                if step + 1 < n:
+                    out = self.head(torch.tensor([[rid_drafts[-1]]]), out, torch.tensor([[position + step + 1]]), cache)
+            cache.k, cache.v = cache.k[:, :, :kept], cache.v[:, :, :kept]
+            drafts[rid] = rid_drafts
+        return drafts
+
+
+def test_batched_drafts_equal_one_request_at_a_time(dirs, reference):
+    """Through the engine, with chunked prefill, verify windows and prefix hits: every step's drafts from
+    the batched drafter are those of drafting one request at a time."""
+
+    def drafting(one_at_a_time):
+        llm = LLM(model=dirs[0], **{**COMMON, "max_num_batched_tokens": 20}, speculative_config=spec(dirs[1]))
+        runner = llm.llm_engine.executor.worker.runner
+        if one_at_a_time:
+            runner.drafter = OneAtATimeDrafter(runner.drafter.head, runner.drafter.k, runner.drafter.max_model_len)
+        drafts = record_drafts(runner.drafter)
+        assert run(llm, prompts()) == reference
+        assert run(llm, prompts()) == reference
+        llm.llm_engine.shutdown()
+        return drafts
+
+    batched = drafting(False)
+    assert sum(len(step) > 1 for step in batched) > 3  # several requests drafted in one step
+    assert batched == drafting(True)
