@@ -33,6 +33,21 @@ def verify_capture_sizes(max_num_seqs: int, window: int, max_tokens: int = MAX_V
     return [s for s in capture_sizes(max_num_seqs) if s * window <= max_tokens]
 
 
+def graph_memory_bytes(max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                       activation_bytes_per_token: int, window: int = 0) -> int:
+    """What decode graphs (and verify graphs of `window` tokens, when window > 1) take beside the caches:
+    for the largest size of each kind, its block-table buffer (rows x blocks of max_model_len, int64),
+    its float32 logits in the graph pool (and the verify graphs' static copy of them), and an activation
+    allowance per row. An estimate the cache budget sets aside, as it does for eager activations."""
+    max_blocks = -(-max_model_len // block_size)
+    per_row = max_blocks * 8 + vocab_size * 4 + activation_bytes_per_token
+    total = max(capture_sizes(max_num_seqs)) * per_row
+    verify_sizes = verify_capture_sizes(max_num_seqs, window) if window > 1 else []
+    if verify_sizes:
+        total += max(verify_sizes) * window * (per_row + vocab_size * 4)
+    return total
+
+
 class VerifyGraphs(StepGraphs):
     """Captured verify graphs of `window`-token windows and their static input buffers."""
 

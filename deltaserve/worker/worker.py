@@ -27,7 +27,7 @@ from deltaserve.worker.cuda_graph import DecodeGraphs, capture_sizes
 from deltaserve.worker.model_runner import ModelRunner
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from deltaserve.worker.state_store import StateCheckpointStore
-from deltaserve.worker.verify_graph import VerifyGraphs, verify_capture_sizes
+from deltaserve.worker.verify_graph import VerifyGraphs, graph_memory_bytes, verify_capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -189,11 +189,29 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.engine_config.gpu_memory_utilization - used_by_others
-        # leave room for activations of the largest step: a rough per-token allowance
+        # leave room for activations of the largest step, and for the CUDA graphs captured after the plan
+        activations = self.engine_config.max_num_batched_tokens * self._activation_bytes_per_token()
+        return int(budget - torch.cuda.memory_allocated(self.device) - activations - self.graph_memory_bytes())
+
+    def _activation_bytes_per_token(self) -> int:
+        """A rough allowance for one token's activations in a forward step."""
         cfg = self.model_config
-        per_token = 4 * (cfg.hidden_size * 8 + cfg.vocab_size // 64 + cfg.intermediate_size * 2)
-        activations = self.engine_config.max_num_batched_tokens * per_token
-        return int(budget - torch.cuda.memory_allocated(self.device) - activations)
+        return 4 * (cfg.hidden_size * 8 + cfg.vocab_size // 64 + cfg.intermediate_size * 2)
+
+    def _captures_graphs(self) -> bool:
+        """Whether initialize_cache will capture decode (and verify) graphs on this rank."""
+        return (self.device.type == "cuda" and not self.engine_config.enforce_eager
+                and self.parallel.pipeline_parallel_size == 1 and self.dcp is None and self._decode_is_capturable())
+
+    def graph_memory_bytes(self) -> int:
+        """The estimate of what this rank's CUDA graphs take (verify_graph.graph_memory_bytes); 0 without."""
+        if not self._captures_graphs():
+            return 0
+        cfg = self.engine_config
+        k = cfg.num_speculative_tokens
+        return graph_memory_bytes(cfg.max_num_seqs, cfg.max_model_len or self.model_config.max_position_embeddings,
+                                  cfg.block_size, self.model_config.vocab_size, self._activation_bytes_per_token(),
+                                  window=k + 1 if k else 0)
 
     def initialize_cache(self, plan: CachePlan) -> None:
         """Allocate the paged latent caches and the KDA state pool, and bind them to the layers.
