@@ -253,23 +253,25 @@ class Eagle3Head(nn.Module):
 
     def extend(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-        past_k: torch.Tensor, past_v: torch.Tensor, past_valid: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One call over T new entries for B requests whose caches are padded to one length S.
+        keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, offset: int,
+    ) -> torch.Tensor:
+        """One call over T new entries for B requests whose cached entries share one padded buffer.
 
-        input_ids: [B, T]; hidden: [B, T, H]; position_ids: [B, T]; past_k, past_v: [B, Nq, S, D], the
-        cached entries (kv heads repeated, RoPE applied), valid where past_valid [B, S] is True. New entry
-        i attends to the valid past entries and to new entries <= i, so a request with fewer than T new
-        entries pads at the end (its padded rows are meaningless; its valid rows are exact). Returns out
-        [B, T, H] and the new entries' k, v [B, Nq, T, D]; the caller keeps the ones it wants.
+        input_ids: [B, T]; hidden: [B, T, H]; position_ids: [B, T]; keys, values: [B, Nq, S, D] with
+        S >= offset + T, the cached entries (kv heads repeated, RoPE applied) in columns [0, offset), valid
+        where valid [B, S] is True. The new entries' keys and values are written to columns
+        [offset, offset + T); new entry i attends to the valid columns before `offset` and to new entries
+        <= i, so a request with fewer than T new entries pads at the end (its padded rows are meaningless,
+        its valid rows exact). Returns out [B, T, H]; marking the new columns valid is the caller's.
         """
         q, k, v = self._inputs(input_ids, hidden, position_ids)
         t = q.shape[2]
+        keys[:, :, offset : offset + t], values[:, :, offset : offset + t] = k, v
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        allowed = torch.cat([past_valid[:, None, :].expand(-1, t, -1), causal.expand(q.shape[0], t, t)], dim=-1)
-        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=self.scale)
-        return self._finish(hidden, attn), k, v
+        allowed = torch.cat([valid[:, None, :offset].expand(-1, t, -1), causal.expand(q.shape[0], t, t)], dim=-1)
+        attn = F.scaled_dot_product_attention(q, keys[:, :, : offset + t], values[:, :, : offset + t],
+                                              attn_mask=allowed[:, None], scale=self.scale)
+        return self._finish(hidden, attn)
 
     def forward_ttt(self, input_ids: torch.Tensor, fused: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
         """Training-time test over a whole sequence: the logits of draft steps 0..num_steps-1.

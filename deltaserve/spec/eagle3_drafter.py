@@ -9,8 +9,9 @@ as one model on one rank, with a key/value cache per request:
 - from the last such entry it drafts greedily: the argmax is draft 1; each later draft feeds the previous
   one with the head's own output as the hidden state, one position further; those entries live only in
   the step's padded copy of the caches, so a rejected draft leaves nothing behind.
-Every request of a step goes through each head call together (padded to the longest, with a validity
-mask), and the drafts reach the host in one copy: k + 1 head calls and one sync per step at any batch.
+The requests of a step go through each head call together (padded to the longest, with a validity mask;
+requests of very different cache lengths in separate groups), and the drafts reach the host in one copy
+per group: k + 1 head calls and one sync per group and step, whatever the batch.
 Positions the target did not compute here (a prefix hit, a P/D import) have no taps: the head's cache
 then starts at the first position it has taps for (its drafts see less context; outputs are unchanged,
 since every draft is verified).
@@ -57,9 +58,33 @@ def _checked_config(model_dir: str, target_config: Any) -> Eagle3Config:
     return c
 
 
+# a full head cache grows to this many times what it must hold
+GROWTH = 1.25
+# a group's padded cache copy holds at most this many times its caches' entries (plus PADDING_SLACK)
+PADDING_LIMIT = 1.5
+PADDING_SLACK = 256
+
+
+def padding_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` (cache lengths) in groups, shortest first, such that padding a group to its
+    longest keeps its copy within PADDING_LIMIT times its entries plus PADDING_SLACK (a request at 1M
+    tokens beside many short ones is not padded into every one of them)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= PADDING_LIMIT * (total + lengths[i]) + PADDING_SLACK:
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
 class HeadCache:
-    """One request's step-0 entries: k and v [Nq, capacity, D] with the first `length` filled, grown by
-    doubling (appends copy only the new entries); entry 0 stands for target position `first_position`."""
+    """One request's step-0 entries: k and v [Nq, capacity, D] with the first `length` filled, grown by a
+    quarter when full (appends copy only the new entries); entry 0 stands for target position
+    `first_position`."""
 
     def __init__(self, first_position: int) -> None:
         self.first_position = first_position
@@ -71,7 +96,7 @@ class HeadCache:
         """k, v: [Nq, n, D], the entries of the next n positions."""
         n = k.shape[1]
         if self.k is None or self.length + n > self.k.shape[1]:
-            capacity = max(2 * (self.length + n), 64)
+            capacity = max(int(GROWTH * (self.length + n)), 64)
             grown_k = k.new_empty(k.shape[0], capacity, k.shape[2])
             grown_v = v.new_empty(v.shape[0], capacity, v.shape[2])
             if self.k is not None:
@@ -118,11 +143,12 @@ class Eagle3Drafter:
                 entries.append((request_id, start, count, runner.step_rows[request_id]))
         if not entries:
             return {}
-        out, past_k, past_v, past_valid = self._add_entries(entries, self.head.fuse(taps))
-        sampled = [i for i, e in enumerate(entries) if e[0] in accepted]
-        if not sampled:
-            return {}
-        return self._draft([entries[i] for i in sampled], *(x[sampled] for x in (out, past_k, past_v, past_valid)))
+        fused = self.head.fuse(taps)
+        lengths = [self._cache_for(request_id, start).length for request_id, start, _, _ in entries]
+        drafts: dict[str, list[int]] = {}
+        for group in padding_groups(lengths):  # requests of similar cache lengths share the padded calls
+            drafts.update(self._run_group([entries[i] for i in group], fused, set(accepted)))
+        return drafts
 
     def _cache_for(self, request_id: str, start: int) -> HeadCache:
         """The request's cache, started over at `start` when its entries do not reach there (a prefix hit,
@@ -132,12 +158,14 @@ class Eagle3Drafter:
             cache = self.caches[request_id] = HeadCache(start)
         return cache
 
-    def _add_entries(self, entries: list[tuple[str, int, int, int]], fused: torch.Tensor):
-        """One head call over every request's new step-0 entries (fused [T, H], the step's fused taps),
-        padded to the longest; each cache keeps its own. Returns the head's out [B, n, H] and the keys,
-        values [B, Nq, S + n, D] (past entries then the new ones) with their validity [B, S + n]."""
+    def _run_group(self, entries: list[tuple[str, int, int, int]], fused: torch.Tensor,
+                   sampled: set[str]) -> dict[str, list[int]]:
+        """One group's head calls: the new step-0 entries of every request (fused [T, H], the step's fused
+        taps), padded to the longest and appended to each cache, then greedy drafts for the requests in
+        `sampled`. One buffer holds the group's keys and values, [B, Nq, S + n + k - 1, D]: the caches
+        (padded to the longest, S), the new entries (n) and the draft entries, which never reach a cache."""
         device = fused.device
-        caches = [self._cache_for(request_id, start) for request_id, start, _, _ in entries]
+        caches = [self.caches[request_id] for request_id, _, _, _ in entries]
         width = max(count for _, _, count, _ in entries)
         rows, tokens, positions = [], [], []
         for request_id, start, count, row in entries:
@@ -146,54 +174,39 @@ class Eagle3Drafter:
             tokens.append(following + [0] * (width - len(following)))
             positions.append(list(range(start, start + width)))
         past = max(c.length for c in caches)
+        counts = [max(0, min(self.k, self.max_model_len - len(self.known[e[0]]))) if e[0] in sampled else 0
+                  for e in entries]
+        steps = max(counts)
         c = self.head.config
-        shape = (len(entries), c.num_attention_heads, past, c.head_dim)
-        past_k = fused.new_zeros(shape, dtype=self.head.fc.weight.dtype)
-        past_v = torch.zeros_like(past_k)
+        shape = (len(entries), c.num_attention_heads, past + width + max(steps - 1, 0), c.head_dim)
+        keys = fused.new_zeros(shape, dtype=self.head.fc.weight.dtype)
+        values = torch.zeros_like(keys)
         for b, cache in enumerate(caches):
             if cache.length:
-                past_k[b, :, : cache.length] = cache.k[:, : cache.length]
-                past_v[b, :, : cache.length] = cache.v[:, : cache.length]
-        lengths = [[cache.length] for cache in caches]
-        counts = [[count] for _, _, count, _ in entries]
-        past_valid = torch.arange(past, device=device) < torch.tensor(lengths, device=device)
-        out, new_k, new_v = self.head.extend(
-            torch.tensor(tokens, device=device), fused[torch.tensor(rows, device=device)],
-            torch.tensor(positions, device=device), past_k, past_v, past_valid)
+                keys[b, :, : cache.length] = cache.k[:, : cache.length]
+                values[b, :, : cache.length] = cache.v[:, : cache.length]
+        cached = torch.tensor([[cache.length] for cache in caches], device=device)
+        valid = torch.arange(shape[2], device=device) < cached
+        out = self.head.extend(torch.tensor(tokens, device=device), fused[torch.tensor(rows, device=device)],
+                               torch.tensor(positions, device=device), keys, values, valid, past)
+        new_counts = torch.tensor([[count] for _, _, count, _ in entries], device=device)
+        valid[:, past : past + width] = torch.arange(width, device=device) < new_counts
         for b, (cache, (_, _, count, _)) in enumerate(zip(caches, entries, strict=True)):
-            cache.append(new_k[b, :, :count], new_v[b, :, :count])
-        new_valid = torch.arange(width, device=device) < torch.tensor(counts, device=device)
-        last = torch.tensor([count - 1 for _, _, count, _ in entries], device=device)
-        out = out[torch.arange(len(entries), device=device), last]  # [B, H]: each request's last entry
-        return (out, torch.cat([past_k, new_k], dim=2), torch.cat([past_v, new_v], dim=2),
-                torch.cat([past_valid, new_valid], dim=1))
-
-    def _draft(self, entries: list[tuple[str, int, int, int]], out: torch.Tensor, keys: torch.Tensor,
-               values: torch.Tensor, valid: torch.Tensor) -> dict[str, list[int]]:
-        """Greedy drafts for B sampled requests from their last step-0 entries (out [B, H]; keys, values
-        [B, Nq, S, D] and valid [B, S] as _add_entries returns them). Draft entries extend these padded
-        copies only, so the caches keep step-0 entries alone."""
-        device = out.device
-        counts = [max(0, min(self.k, self.max_model_len - len(self.known[e[0]]))) for e in entries]
-        steps = max(counts)
-        if steps <= 0:
-            return {e[0]: [] for e in entries}
+            cache.append(keys[b, :, past : past + count], values[b, :, past : past + count])
+        if steps == 0:
+            return {e[0]: [] for e in entries if e[0] in sampled}
+        last = new_counts[:, 0] - 1
+        hidden = out[torch.arange(len(entries), device=device), last][:, None]  # [B, 1, H]: the last entries
         # the last step-0 entry of each request stands at position start + count - 1
         position = torch.tensor([[start + count - 1] for _, start, count, _ in entries], device=device)
-        grow = (0, 0, 0, steps - 1)
-        keys, values = torch.nn.functional.pad(keys, grow), torch.nn.functional.pad(values, grow)
-        valid = torch.nn.functional.pad(valid, (0, steps - 1))
-        column = valid.shape[1] - (steps - 1)
-        hidden = out[:, None]  # [B, 1, H]
+        column = past + width
         drafted = []
         for step in range(steps):
             token = self.head.compute_logits(hidden)[:, 0].argmax(-1)  # [B]
             drafted.append(token)
             if step + 1 == steps:
                 break
-            hidden, k, v = self.head.extend(token[:, None], hidden, position + step + 1, keys[:, :, :column + step],
-                                            values[:, :, :column + step], valid[:, :column + step])
-            keys[:, :, column + step], values[:, :, column + step] = k[:, :, 0], v[:, :, 0]
+            hidden = self.head.extend(token[:, None], hidden, position + step + 1, keys, values, valid, column + step)
             valid[:, column + step] = True
-        rows = torch.stack(drafted, dim=1).tolist()  # the one host copy
-        return {e[0]: rows[i][: counts[i]] for i, e in enumerate(entries)}
+        drafts = torch.stack(drafted, dim=1).tolist()  # the one host copy
+        return {e[0]: drafts[i][: counts[i]] for i, e in enumerate(entries) if e[0] in sampled}

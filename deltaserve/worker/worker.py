@@ -18,6 +18,7 @@ from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.kv_transfer.staging import staging_reserve_bytes
 from deltaserve.kv_transfer.worker_side import KVConnectorWorker
+from deltaserve.model.eagle3 import Eagle3Head
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
@@ -30,6 +31,9 @@ from deltaserve.worker.state_store import StateCheckpointStore
 from deltaserve.worker.verify_graph import VerifyGraphs, graph_memory_bytes, verify_capture_sizes
 
 logger = logging.getLogger(__name__)
+# an Eagle3 head's keys and values per token, in memory at once at most: its per-request caches (grown by
+# a quarter when full) and each step's padded copy of them (at most 1.5 times, spec/eagle3_drafter.py)
+EAGLE3_CACHE_COPIES = 2.75
 
 DEFAULT_CPU_CACHE_BYTES = 256 << 20
 
@@ -118,13 +122,19 @@ class Worker:
                                                   self.engine_config.seed)
 
     def _draft_cache_share(self) -> float:
-        """A draft model's caches as a share of the target's on this rank: its latents per token, or twice
-        its state image per slot (its live rows, and scratch rows for drafting), against the target's."""
-        if not isinstance(self.draft_weights, KimiLinearForCausalLM):
-            return 0.0
+        """A model drafter's caches as a share of the target's on this rank. A draft model: its latents per
+        token, or twice its state image per slot (its live rows, and scratch rows for drafting), against the
+        target's. An Eagle3 head: its keys and values per token, EAGLE3_CACHE_COPIES times (see there),
+        against the target's latents per token (no request's head cache outgrows its own blocks)."""
         draft, target = self.draft_weights, self.model
         latent_bytes = self.model_config.latent_dim * self.dtype.itemsize
         target_kv = len(target.mla_layers()) * latent_bytes
+        if isinstance(draft, Eagle3Head):
+            head = draft.config
+            head_kv = 2 * head.num_attention_heads * head.head_dim * draft.fc.weight.element_size()
+            return EAGLE3_CACHE_COPIES * head_kv / target_kv if target_kv else 0.0
+        if not isinstance(draft, KimiLinearForCausalLM):
+            return 0.0
         draft_kv = len(draft.mla_layers()) * draft.config.latent_dim * self.dtype.itemsize
 
         def image(model: KimiLinearForCausalLM) -> int:

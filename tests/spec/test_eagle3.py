@@ -158,9 +158,9 @@ def test_padded_extend_matches_one_request_at_a_time():
     c = head.config
     lengths, counts = [0, 5, 2], [3, 1, 4]
     alone_out, caches = [], []
-    past_k = torch.zeros(3, c.num_attention_heads, max(lengths), c.head_dim, dtype=torch.float64)
-    past_v = torch.zeros_like(past_k)
     width = max(counts)
+    past_k = torch.zeros(3, c.num_attention_heads, max(lengths) + width, c.head_dim, dtype=torch.float64)
+    past_v = torch.zeros_like(past_k)
     tokens = torch.randint(0, 40, (3, width))
     hidden = torch.randn(3, width, 16, dtype=torch.float64)
     for b, (length, count) in enumerate(zip(lengths, counts, strict=True)):
@@ -172,9 +172,10 @@ def test_padded_extend_matches_one_request_at_a_time():
         positions = torch.arange(length, length + count)[None]
         alone_out.append(head(tokens[b : b + 1, :count], hidden[b : b + 1, :count], positions, cache)[0])
         caches.append(cache)
-    valid = torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]
+    valid = torch.arange(max(lengths) + width) < torch.tensor(lengths)[:, None]
     positions = torch.tensor(lengths)[:, None] + torch.arange(width)
-    out, k, v = head.extend(tokens, hidden, positions, past_k, past_v, valid)
+    out = head.extend(tokens, hidden, positions, past_k, past_v, valid, max(lengths))
+    k, v = past_k[:, :, max(lengths) :], past_v[:, :, max(lengths) :]
     for b, (length, count) in enumerate(zip(lengths, counts, strict=True)):
         torch.testing.assert_close(out[b, :count], alone_out[b], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(k[b, :, :count], caches[b].k[0, :, length:], rtol=1e-12, atol=1e-12)
@@ -251,3 +252,38 @@ def test_batched_drafts_equal_one_request_at_a_time(dirs, reference):
     batched = drafting(False)
     assert sum(len(step) > 1 for step in batched) > 3  # several requests drafted in one step
     assert batched == drafting(True)
+
+
+def test_the_heads_caches_come_out_of_the_cache_budget(dirs):
+    """The same cache_memory: the target's caches shrink by the head's share (its keys and values per token,
+    2.75 times over: caches grown by a quarter and the step's padded copy, against the target's latents)."""
+    options = {k: v for k, v in COMMON.items() if k != "num_kv_blocks"}
+    plain = LLM(model=dirs[0], **options, cache_memory="32MiB")
+    drafted = LLM(model=dirs[0], **options, cache_memory="32MiB", speculative_config=spec(dirs[1]))
+    try:
+        worker = drafted.llm_engine.executor.worker
+        head = worker.draft_weights.config
+        target_kv = len(worker.model.mla_layers()) * worker.model_config.latent_dim * 4
+        want = 2.75 * 2 * head.num_attention_heads * head.head_dim * 4 / target_kv
+        assert worker._draft_cache_share() == pytest.approx(want) and want > 1
+        blocks = plain.llm_engine.cache_plan.num_blocks, drafted.llm_engine.cache_plan.num_blocks
+        assert blocks[1] < blocks[0] / (1 + want) * 1.1 and blocks[1] > 0, blocks
+    finally:
+        plain.llm_engine.shutdown()
+        drafted.llm_engine.shutdown()
+
+
+def test_padding_groups_keep_the_padded_copy_near_the_entries():
+    from deltaserve.spec.eagle3_drafter import PADDING_LIMIT, PADDING_SLACK, padding_groups
+
+    assert padding_groups([100, 90, 110]) == [[1, 0, 2]]  # similar lengths: one group, shortest first
+    lengths = [1_000_000] + [1_000] * 63  # one long request beside many short ones
+    groups = padding_groups(lengths)
+    assert groups == [list(range(1, 64)), [0]]
+    mixed = [5, 0, 7000, 300, 64, 2, 90_000, 88_000, 0, 1]
+    groups = padding_groups(mixed)
+    assert sorted(i for group in groups for i in group) == list(range(len(mixed)))
+    for group in groups:
+        members = [mixed[i] for i in group]
+        assert len(group) == 1 or max(members) * len(group) <= PADDING_LIMIT * sum(members) + PADDING_SLACK
+
