@@ -36,6 +36,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA with a mask, left to choose, takes cuDNN on an H100, which builds a plan for every new shape (34 ms
+# of host time per call, and the head's key lengths change every step): the memory-efficient kernel (or the
+# math one) instead
+MASKED_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -248,7 +254,8 @@ class Eagle3Head(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             allowed = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(diagonal=past)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+            with sdpa_kernel(MASKED_ATTENTION_BACKENDS):
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return self._finish(hidden, attn)
 
     def extend(
@@ -269,8 +276,9 @@ class Eagle3Head(nn.Module):
         keys[:, :, offset : offset + t], values[:, :, offset : offset + t] = k, v
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         allowed = torch.cat([valid[:, None, :offset].expand(-1, t, -1), causal.expand(q.shape[0], t, t)], dim=-1)
-        attn = F.scaled_dot_product_attention(q, keys[:, :, : offset + t], values[:, :, : offset + t],
-                                              attn_mask=allowed[:, None], scale=self.scale)
+        with sdpa_kernel(MASKED_ATTENTION_BACKENDS):
+            attn = F.scaled_dot_product_attention(q, keys[:, :, : offset + t], values[:, :, : offset + t],
+                                                  attn_mask=allowed[:, None], scale=self.scale)
         return self._finish(hidden, attn)
 
     def forward_ttt(self, input_ids: torch.Tensor, fused: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
