@@ -7,13 +7,12 @@ after a device synchronize on CUDA so the target's queued work is not counted); 
 steps that drafted for the whole batch, and their count. One engine per batch size, after an untimed
 warm-up run.
 
-Usage (CPU or GPU; --pythonpath a checkout to time another version of the drafter):
+Usage (CPU or GPU; PYTHONPATH=<another checkout> times that checkout's drafter):
   python benchmarks/eagle3_draft_time.py --batches 1,16 --k 3
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -22,10 +21,10 @@ import time
 
 import torch
 from host_step_time import machine
+from spec_acceptance import held_out_prompts, trained_model_args
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.eval.reference import load_reference
-from deltaserve.model_files.default_model import installed_trained_dir, reference_path
+from deltaserve.model_files.default_model import installed_trained_dir
 
 
 def timed_propose(drafter, device: torch.device, times: list[tuple[int, float]]) -> None:
@@ -44,22 +43,14 @@ def timed_propose(drafter, device: torch.device, times: list[tuple[int, float]])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--prompt-len", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    prompts = [w[: args.prompt_len] for w in load_reference(reference_path()).inputs.windows]
+    args = trained_model_args(__doc__.split("\n")[0])
+    prompts = held_out_prompts(args.prompt_len)
     spec = {"method": "eagle3", "model": installed_trained_dir("eagle3"), "num_speculative_tokens": args.k}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=batch,
-                  cache_memory="1GiB")
+                  cache_memory=args.cache_memory)
         runner = llm.llm_engine.executor.worker.runner
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
         times: list[tuple[int, float]] = []

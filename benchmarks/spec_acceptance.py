@@ -52,8 +52,9 @@ def agreeing(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def trained_model_args(description: str) -> argparse.Namespace:
+    """The options of the benchmarks on the trained default models (this one and eagle3_draft_time.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batches", default="1,16")
@@ -62,9 +63,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cache-memory", default="1GiB", help="each engine's cache budget")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    windows = load_reference(reference_path()).inputs.windows
-    natural = [w[: args.prompt_len] for w in windows]
+    return parser.parse_args()
+
+
+def held_out_prompts(prompt_len: int) -> list[list[int]]:
+    """The accuracy gate's held-out windows, the first prompt_len tokens of each."""
+    return [w[:prompt_len] for w in load_reference(reference_path()).inputs.windows]
+
+
+def main() -> None:
+    args = trained_model_args(__doc__.split("\n")[0])
+    natural = held_out_prompts(args.prompt_len)
     workloads = {"natural": natural, "copy": [p + p for p in natural]}
     batches = [int(b) for b in args.batches.split(",")]
     rows = []

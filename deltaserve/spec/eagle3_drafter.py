@@ -27,6 +27,7 @@ import torch
 from deltaserve.core.scheduler_output import SchedulerOutput
 from deltaserve.model.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, read_eagle3_config
 from deltaserve.spec.known_tokens import KnownTokens
+from deltaserve.worker.host_transfer import to_device
 from deltaserve.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,9 @@ class Eagle3Drafter:
         fused = self.head.fuse(taps)
         lengths = [self._cache_for(request_id, start).length for request_id, start, _, _ in entries]
         drafts: dict[str, list[int]] = {}
+        sampled = set(accepted)
         for group in padding_groups(lengths):  # requests of similar cache lengths share the padded calls
-            drafts.update(self._run_group([entries[i] for i in group], fused, set(accepted)))
+            drafts.update(self._run_group([entries[i] for i in group], fused, sampled))
         return drafts
 
     def _cache_for(self, request_id: str, start: int) -> HeadCache:
@@ -167,16 +169,17 @@ class Eagle3Drafter:
         device = fused.device
         caches = [self.caches[request_id] for request_id, _, _, _ in entries]
         width = max(count for _, _, count, _ in entries)
-        rows, tokens, positions = [], [], []
+        rows, tokens = [], []
         for request_id, start, count, row in entries:
-            rows.append([row + min(i, count - 1) for i in range(width)])
+            rows += [row + min(i, count - 1) for i in range(width)]
             following = self.known[request_id][start + 1 : start + 1 + count]
-            tokens.append(following + [0] * (width - len(following)))
-            positions.append(list(range(start, start + width)))
+            tokens += following + [0] * (width - len(following))
         past = max(c.length for c in caches)
         counts = [max(0, min(self.k, self.max_model_len - len(self.known[e[0]]))) if e[0] in sampled else 0
                   for e in entries]
         steps = max(counts)
+        dev = to_device(device, {"rows": rows, "tokens": tokens, "starts": [e[1] for e in entries],
+                                 "new": [e[2] for e in entries], "cached": [cache.length for cache in caches]})
         c = self.head.config
         shape = (len(entries), c.num_attention_heads, past + width + max(steps - 1, 0), c.head_dim)
         keys = fused.new_zeros(shape, dtype=self.head.fc.weight.dtype)
@@ -185,20 +188,17 @@ class Eagle3Drafter:
             if cache.length:
                 keys[b, :, : cache.length] = cache.k[:, : cache.length]
                 values[b, :, : cache.length] = cache.v[:, : cache.length]
-        cached = torch.tensor([[cache.length] for cache in caches], device=device)
-        valid = torch.arange(shape[2], device=device) < cached
-        out = self.head.extend(torch.tensor(tokens, device=device), fused[torch.tensor(rows, device=device)],
-                               torch.tensor(positions, device=device), keys, values, valid, past)
-        new_counts = torch.tensor([[count] for _, _, count, _ in entries], device=device)
-        valid[:, past : past + width] = torch.arange(width, device=device) < new_counts
+        starts, new = dev["starts"][:, None], dev["new"][:, None]  # [B, 1] each
+        valid = torch.arange(shape[2], device=device) < dev["cached"][:, None]
+        out = self.head.extend(dev["tokens"].view(-1, width), fused[dev["rows"].view(-1, width)],
+                               starts + torch.arange(width, device=device), keys, values, valid, past)
+        valid[:, past : past + width] = torch.arange(width, device=device) < new
         for b, (cache, (_, _, count, _)) in enumerate(zip(caches, entries, strict=True)):
             cache.append(keys[b, :, past : past + count], values[b, :, past : past + count])
         if steps == 0:
             return {e[0]: [] for e in entries if e[0] in sampled}
-        last = new_counts[:, 0] - 1
-        hidden = out[torch.arange(len(entries), device=device), last][:, None]  # [B, 1, H]: the last entries
-        # the last step-0 entry of each request stands at position start + count - 1
-        position = torch.tensor([[start + count - 1] for _, start, count, _ in entries], device=device)
+        hidden = out[torch.arange(len(entries), device=device), new[:, 0] - 1][:, None]  # [B, 1, H]: the last entries
+        position = starts + new - 1  # [B, 1]: where each request's last step-0 entry stands
         column = past + width
         drafted = []
         for step in range(steps):

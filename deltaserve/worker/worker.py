@@ -208,14 +208,23 @@ class Worker:
         cfg = self.model_config
         return 4 * (cfg.hidden_size * 8 + cfg.vocab_size // 64 + cfg.intermediate_size * 2)
 
-    def _captures_graphs(self) -> bool:
-        """Whether initialize_cache will capture decode (and verify) graphs on this rank."""
-        return (self.device.type == "cuda" and not self.engine_config.enforce_eager
-                and self.parallel.pipeline_parallel_size == 1 and self.dcp is None and self._decode_is_capturable())
+    def _decode_graphs_off(self) -> str | None:
+        """Why this rank captures no decode (and verify) graphs, as the log line ends, or None when it does;
+        "" where nothing needs saying (a CPU rank, --enforce-eager)."""
+        if self.parallel.pipeline_parallel_size > 1:
+            return " under pipeline parallelism (not captured per stage yet)"
+        if self.dcp is not None:
+            return " under decode context parallelism (not captured yet)"
+        if self.device.type != "cuda" or self.engine_config.enforce_eager:
+            return ""
+        assert self.model is not None
+        if not _decode_is_capturable(self.model):
+            return ": the MoE layers need bfloat16 on sm90+ to be capturable"
+        return None
 
     def graph_memory_bytes(self) -> int:
         """The estimate of what this rank's CUDA graphs take (verify_graph.graph_memory_bytes); 0 without."""
-        if not self._captures_graphs():
+        if self._decode_graphs_off() is not None:
             return 0
         cfg = self.engine_config
         k = cfg.num_speculative_tokens
@@ -260,12 +269,11 @@ class Worker:
             self.offload = self.runner.offload = OffloadWorker.build(
                 self.engine_config, self.model, self.parallel, self.runner.state_store.units, max_model_len)
         self._build_drafter(plan)
-        if self.parallel.pipeline_parallel_size > 1:
-            logger.info("decode runs without CUDA graphs under pipeline parallelism (not captured per stage yet)")
-        elif self.dcp is not None:
-            logger.info("decode runs without CUDA graphs under decode context parallelism (not captured yet)")
-        elif self.device.type == "cuda" and not self.engine_config.enforce_eager:
+        off = self._decode_graphs_off()
+        if off is None:
             self._capture_decode_graphs(pad_block=plan.num_blocks, pad_state_slot=plan.num_state_slots)
+        elif off:
+            logger.info("decode runs without CUDA graphs%s", off)
 
     def _build_drafter(self, plan: CachePlan) -> None:
         """Speculative decoding's draft model, on the output rank only (the last stage's first TP rank,
@@ -293,15 +301,8 @@ class Worker:
             drafter.capture_graphs(capture_sizes(cfg.max_num_seqs))
         logger.info("draft model %s: %d drafts per step, on this rank", spec.model, spec.num_speculative_tokens)
 
-    def _decode_is_capturable(self) -> bool:
-        assert self.model is not None
-        return _decode_is_capturable(self.model)
-
     def _capture_decode_graphs(self, pad_block: int, pad_state_slot: int) -> None:
         assert self.model is not None and self.runner is not None
-        if not self._decode_is_capturable():
-            logger.info("decode runs without CUDA graphs: the MoE layers need bfloat16 on sm90+ to be capturable")
-            return
         cfg = self.engine_config
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         graphs = DecodeGraphs(self.model, self.device, cfg.block_size, max_model_len, pad_block, pad_state_slot)

@@ -25,7 +25,7 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.worker.block_tables import BlockTables
 from deltaserve.worker.model_runner import is_decode
 from deltaserve.worker.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput, TokenLogprobs
-from deltaserve.worker.worker import Worker
+from deltaserve.worker.worker import Worker, _decode_is_capturable
 
 BLOCK_SIZE = 16
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -186,7 +186,7 @@ def test_cuda_decode_queues_without_host_sync_and_placeholders_match(enforce_eag
     reference = run_with_real_tokens(make_worker("cuda", "bfloat16", enforce_eager))
     worker = make_worker("cuda", "bfloat16", enforce_eager)
     # without the sync-free grouped MoE (bf16 on sm90+) the model itself syncs (and captures no graphs)
-    check_syncs = worker._decode_is_capturable()
+    check_syncs = _decode_is_capturable(worker.model)
     assert enforce_eager or (worker.runner.decode_graphs is not None) == check_syncs
     checked = []
 
