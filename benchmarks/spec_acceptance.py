@@ -6,7 +6,8 @@ and, for a copy-heavy workload, the same prompts written out twice (n-gram looku
 is greedy, and its tokens are checked against the run without speculation (lossless) before they count;
 in bfloat16 (where a verify pass and a decode step round differently, so a near-tie may go either way) the
 share of leading tokens that agree is reported instead (`tokens_agreeing`).
-tok/s is output tokens over the wall time of `LLM.generate`, after one untimed warm-up call per engine.
+tok/s is output tokens over the wall time of `LLM.generate`, after an untimed warm-up of every workload and
+batch size per engine (on a GPU, fla autotunes each new shape on first use: seconds, not decode time).
 
 Usage (the default trained target, draft and eagle3 head; CPU or GPU):
   python benchmarks/spec_acceptance.py --batches 1,16 --k 3
@@ -62,6 +63,8 @@ def trained_model_args(description: str) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cache-memory", default="1GiB", help="each engine's cache budget")
+    parser.add_argument("--methods", default="off,ngram,draft_model,eagle3",
+                        help="comma-separated; 'off' (the baseline) is always run first")
     parser.add_argument("--out", default=None)
     return parser.parse_args()
 
@@ -79,10 +82,18 @@ def main() -> None:
     rows = []
     print(f"{'workload':>8} {'method':>11} {'batch':>5} {'tok/s':>8} {'speedup':>7} {'accept':>6} {'mean len':>8} "
           "per position", flush=True)
+    chosen_methods = {"off", *args.methods.split(",")}
+    unknown = chosen_methods - set(methods(args.k))
+    if unknown:
+        raise SystemExit(f"unknown --methods {sorted(unknown)}; known: {list(methods(args.k))}")
     for method, spec in methods(args.k).items():
+        if method not in chosen_methods:
+            continue
         llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=max(batches),
                   cache_memory=args.cache_memory)
-        run(llm, natural[:2], 8)  # warm-up
+        for prompts in workloads.values():  # warm-up: every shape the timed runs meet, on reversed prompts
+            for batch in batches:           # (no prefix hits for the timed runs)
+                run(llm, [prompts[i % len(prompts)][::-1] for i in range(batch)], 8)
         for workload, prompts in workloads.items():
             for batch in batches:
                 chosen = [prompts[i % len(prompts)] for i in range(batch)]
