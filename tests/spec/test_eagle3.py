@@ -287,3 +287,44 @@ def test_padding_groups_keep_the_padded_copy_near_the_entries():
         members = [mixed[i] for i in group]
         assert len(group) == 1 or max(members) * len(group) <= PADDING_LIMIT * sum(members) + PADDING_SLACK
 
+
+
+def test_a_groups_padded_entries_stay_out_of_its_drafts():
+    """float64, straight into the drafter: requests with different cache lengths and numbers of new entries,
+    drafted as one padded group, give the draft hidden states (so the drafts) each gets drafted alone. A
+    request with fewer new entries than the group's widest pads at the end; its draft steps must not see
+    those columns (the engine-level test above cannot tell: the tiny head's drafts do not move)."""
+    from deltaserve.spec.eagle3_drafter import Eagle3Drafter
+
+    head = random_eagle3_head(40, 16, 8, seed=5).double()
+    generator = torch.Generator().manual_seed(11)
+    fused = torch.randn(64, 16, generator=generator, dtype=torch.float64)
+    tokens = {rid: torch.randint(0, 40, (30,), generator=generator).tolist() for rid in "abc"}
+    # (request, first new position, new entries, first fused row), two steps of each request
+    steps = [[("a", 0, 5, 0), ("b", 0, 2, 8), ("c", 0, 7, 16)], [("a", 5, 1, 24), ("b", 2, 4, 32), ("c", 7, 2, 40)]]
+    seen: list[torch.Tensor] = []
+    logits = head.compute_logits
+
+    def recording(hidden):
+        seen.append(hidden.clone())
+        return logits(hidden)
+
+    head.compute_logits = recording
+
+    def drafting(rids):
+        drafter = Eagle3Drafter(head, k=3, max_model_len=100)
+        drafter.known.tokens = {rid: tokens[rid] for rid in rids}
+        seen.clear()
+        drafts = []
+        for step in steps:
+            entries = [entry for entry in step if entry[0] in rids]
+            for rid, start, _, _ in entries:
+                drafter._cache_for(rid, start)
+            drafts.append(drafter._run_group(entries, fused, set(rids)))
+        return drafts, torch.stack([h[:, 0] for h in seen])  # [calls, B, H]
+
+    together, hidden = drafting("abc")
+    for b, rid in enumerate("abc"):
+        alone, alone_hidden = drafting(rid)
+        assert [{rid: step[rid]} for step in together] == alone
+        torch.testing.assert_close(hidden[:, b], alone_hidden[:, 0], rtol=1e-12, atol=1e-12)
