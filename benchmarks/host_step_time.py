@@ -241,7 +241,7 @@ def machine(source_commit: str | None) -> dict:
     modified = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
     return {
         "host": platform.platform(),
-        "device": "cpu",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

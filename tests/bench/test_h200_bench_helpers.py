@@ -177,3 +177,28 @@ def test_table_and_comparison_render_partial_results():
     for fragment in ("MFU 41.0%", "MBU 50.0%", ">= 60% MBU", "10.0x", "FAILED", "OutOfMemoryError", "async on",
                      "median 3.00 ms/step", "kernels 2.90 ms"):
         assert fragment in text
+
+
+def test_timed_steps_takes_the_median_of_steps_that_ran_the_model():
+    """A step that launched nothing (async scheduling with nothing to collect) counts in the mean step, as
+    before, but not in the median and minimum, which are over the steps that called execute_model."""
+    import time
+    from types import SimpleNamespace
+
+    class Engine:
+        def __init__(self):
+            self.core = SimpleNamespace(scheduler=SimpleNamespace(schedule=lambda: None),
+                                        executor=SimpleNamespace(execute_model=lambda: time.sleep(0.004)))
+            self.count = 0
+
+        def step(self):
+            self.count += 1
+            self.core.scheduler.schedule()
+            if self.count % 2:  # every other step runs the model
+                self.core.executor.execute_model()
+
+    engine = Engine()
+    timing = hb.timed_steps(engine, 6)
+    assert timing["steps_with_model"] == 3 and timing["steps_without_model"] == 3
+    assert timing["step_s_median"] >= 0.004 and timing["step_s_min"] >= 0.004
+    assert timing["step_s"] < timing["step_s_median"]  # the mean is diluted by the empty steps
