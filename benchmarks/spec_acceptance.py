@@ -53,9 +53,12 @@ def agreeing(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def trained_model_args(description: str) -> argparse.Namespace:
-    """The options of the benchmarks on the trained default models (this one and eagle3_draft_time.py)."""
+def trained_model_args(description: str, extra: dict[str, dict] | None = None) -> argparse.Namespace:
+    """The options of the benchmarks on the trained default models (this one, eagle3_draft_time.py and
+    spec_step_profile.py); `extra`: more options, {flag: add_argument keywords}."""
     parser = argparse.ArgumentParser(description=description)
+    for flag, options in (extra or {}).items():
+        parser.add_argument(flag, **options)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batches", default="1,16")
