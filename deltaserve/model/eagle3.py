@@ -119,20 +119,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = _wide(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(xf.dtype) * xf).to(x.dtype)
+        xf = _wide(x)  # torch's rms_norm: one fused kernel on a GPU, where the head's calls are launch-bound
+        return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype), self.eps).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary angles' cos and sin for positions [B, T]: [B, 1, T, head_dim / 2] each, in `dtype`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim))
+    angles = positions.to(dtype)[:, None, :, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split (Llama) layout: x [B, N, T, D] with rope_cos_sin's cos, sin -> [B, N, T, D]."""
+    d = x.shape[-1]
+    xf = _wide(x)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding, half-split (Llama) layout. x: [B, N, T, D], positions: [B, T] -> [B, N, T, D]."""
-    d = x.shape[-1]
-    xf = _wide(x)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=xf.dtype) / d))
-    angles = positions.to(xf.dtype)[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
-    cos, sin = angles.cos(), angles.sin()
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotate(x, *rope_cos_sin(positions, x.shape[-1], theta, _wide(x).dtype))
 
 
 class Eagle3Attention(nn.Module):
@@ -145,16 +154,27 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # q, k and v's weights in one, after fuse_projections
+
+    def fuse_projections(self) -> None:
+        """For inference: q, k and v's weights become views of one [(Nq + 2 Nkv) D, 2H] tensor, multiplied
+        in one GEMM (the checkpoint's names and the state dict stay as they are)."""
+        self.qkv_weight = _fuse_weights(self.q_proj, self.k_proj, self.v_proj)
 
     def qkv(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """u: [B, T, 2H], positions: [B, T] -> q [B, Nq, T, D], k and v [B, Nq, T, D] (kv heads repeated)."""
         b, t, _ = u.shape
         c = self.c
-        q = self.q_proj(u).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(u).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(u).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
-        rep = c.num_attention_heads // c.num_key_value_heads
+        nq, nkv = c.num_attention_heads, c.num_key_value_heads
+        if self.qkv_weight is not None:
+            mixed = F.linear(u, self.qkv_weight)
+        else:
+            mixed = torch.cat([self.q_proj(u), self.k_proj(u), self.v_proj(u)], dim=-1)
+        mixed = mixed.view(b, t, nq + 2 * nkv, c.head_dim).transpose(1, 2)  # [B, Nq + 2 Nkv, T, D]
+        # RoPE on q and k together: one set of angles, one rotation
+        qk = rotate(mixed[:, : nq + nkv], *rope_cos_sin(positions, c.head_dim, c.rope_theta, _wide(u).dtype))
+        (q, k), v = qk.split([nq, nkv], dim=1), mixed[:, nq + nkv :]
+        rep = nq // nkv
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return q, k, v
@@ -171,9 +191,30 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # after fuse_projections
+
+    def fuse_projections(self) -> None:
+        """For inference: gate and up in one GEMM (their weights become views of one tensor)."""
+        self.gate_up_weight = _fuse_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_weights(*linears: nn.Linear) -> torch.Tensor:
+    """The linears' weights concatenated along their outputs; each linear's weight becomes a frozen view of
+    its rows, so the fused tensor is the only copy."""
+    with torch.no_grad():
+        fused = torch.cat([linear.weight for linear in linears])
+        row = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(fused[row : row + rows], requires_grad=False)
+            row += rows
+    return fused
 
 
 class Eagle3Layer(nn.Module):
@@ -212,6 +253,12 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.scale = c.head_dim**-0.5
+
+    def fuse_projections(self) -> Eagle3Head:
+        """For inference (a drafter): q/k/v and gate/up as one GEMM each; training keeps them apart."""
+        self.midlayer.self_attn.fuse_projections()
+        self.midlayer.mlp.fuse_projections()
+        return self
 
     def fuse(self, tap_hidden_states: torch.Tensor) -> torch.Tensor:
         """[B, T, k * Ht] (the taps concatenated in tap_layer_ids order) -> [B, T, H]."""

@@ -41,7 +41,7 @@ def eagle3_tap_layers(model_dir: str, target_config: Any) -> tuple[int, ...]:
 def load_eagle3_head(model_dir: str, target_config: Any, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
     """The head, refused (ValueError naming the field) when it does not fit the target."""
     _checked_config(model_dir, target_config)
-    return load_eagle3(model_dir, device=device, dtype=dtype)
+    return load_eagle3(model_dir, device=device, dtype=dtype).fuse_projections()
 
 
 def _checked_config(model_dir: str, target_config: Any) -> Eagle3Config:

@@ -328,3 +328,34 @@ def test_a_groups_padded_entries_stay_out_of_its_drafts():
         alone, alone_hidden = drafting(rid)
         assert [{rid: step[rid]} for step in together] == alone
         torch.testing.assert_close(hidden[:, b], alone_hidden[:, 0], rtol=1e-12, atol=1e-12)
+
+
+def test_fused_projections_give_the_unfused_outputs():
+    """A drafter's head multiplies q/k/v and gate/up as one GEMM each (fuse_projections): the same outputs
+    and cache entries as the separate projections (float64), the state dict unchanged, one copy of the
+    weights; q and k rotated together equal each rotated alone."""
+    from deltaserve.model.eagle3 import Eagle3KVCache, apply_rope
+
+    head = random_eagle3_head(40, 32, 8, head_dim=8, seed=9).double()
+    fused = random_eagle3_head(40, 32, 8, head_dim=8, seed=9).double().fuse_projections()
+    names = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    assert {name: tuple(t.shape) for name, t in fused.state_dict().items()} == names
+    attn = fused.midlayer.self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # views, not copies
+    tokens, hidden = torch.randint(0, 40, (2, 5)), torch.randn(2, 5, 32, dtype=torch.float64)
+    positions = torch.arange(3, 8).expand(2, 5)
+    caches = Eagle3KVCache(), Eagle3KVCache()
+    for model, cache in zip((head, fused), caches, strict=True):
+        model(tokens[:, :3], hidden[:, :3], positions[:, :3], cache)
+    outs = [model(tokens[:, 3:], hidden[:, 3:], positions[:, 3:], cache)
+            for model, cache in zip((head, fused), caches, strict=True)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-12, atol=1e-12)
+    u = torch.randn(2, 5, 64, dtype=torch.float64)
+    q, k, _ = head.midlayer.self_attn.qkv(u, positions)
+    c = head.config
+    alone_q = head.midlayer.self_attn.q_proj(u).view(2, 5, c.num_attention_heads, c.head_dim).transpose(1, 2)
+    alone_k = head.midlayer.self_attn.k_proj(u).view(2, 5, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    assert torch.equal(q, apply_rope(alone_q, positions, c.rope_theta))
+    assert torch.equal(k, apply_rope(alone_k, positions, c.rope_theta))
