@@ -37,6 +37,7 @@ import torch
 
 from deltaserve.sample.sampler import apply_min_p, apply_temperature, apply_top_k_top_p, step_seed
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.worker.host_transfer import to_device
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -137,16 +138,21 @@ class RejectionMetadata:
             row += n + 1
             draft += n
         greedy = [p.greedy for p in params]
+        # two host-to-device copies for the whole step: the integer arrays packed into one, the floats into another
+        ints = to_device(device, {"draft_rows": draft_rows, "position_rows": [r for row in position_rows for r in row],
+                                  "draft_index": [i for row in draft_index for i in row], "top_k": top_k,
+                                  "draft_valid": [int(v) for row in draft_valid for v in row]})
+        floats = _to_device([temperature, top_p, min_p], torch.float32, device)  # [3, R]
         return cls(
             num_draft_per_request=list(num_draft_per_request),
-            draft_rows=_to_device(draft_rows, torch.int64, device),
-            position_rows=_to_device(position_rows, torch.int64, device).view(num_requests, max_draft + 1),
-            draft_index=_to_device(draft_index, torch.int64, device).view(num_requests, max_draft),
-            draft_valid=_to_device(draft_valid, torch.bool, device).view(num_requests, max_draft),
-            temperature=_to_device(temperature, torch.float32, device),
-            top_k=_to_device(top_k, torch.int64, device),
-            top_p=_to_device(top_p, torch.float32, device),
-            min_p=_to_device(min_p, torch.float32, device),
+            draft_rows=ints["draft_rows"],
+            position_rows=ints["position_rows"].view(num_requests, max_draft + 1),
+            draft_index=ints["draft_index"].view(num_requests, max_draft),
+            draft_valid=ints["draft_valid"].bool().view(num_requests, max_draft),
+            temperature=floats[0],
+            top_k=ints["top_k"],
+            top_p=floats[1],
+            min_p=floats[2],
             generators=generators,
             all_greedy=all(greedy),
             all_random=not any(greedy),
