@@ -12,10 +12,4 @@ timeout "${GAIN_LIMIT:-200}" python3 spec_acceptance.py --batches 1,16 --k 3 --d
   --methods "${METHODS:-off,eagle3}" --out "$dest/spec_acceptance_bf16.json" 2>&1 | grep -v Warning | tail -n 12
 echo "== acceptance rc=$?"
 cd ..
-for spec in "tests/spec/test_spec_engine.py -k cuda" "tests/test_parity.py -k graph_replay"; do
-  log="$logs/$(echo "$spec" | tr ' /:' '___').log"
-  timeout "${PER_FILE_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -s -rfEs $spec >"$log" 2>&1
-  echo "== $spec rc=$?"
-  grep -E "FAILED|ERROR|Error|assert" "$log" | head -n 12
-  tail -n 2 "$log"
-done
+run_gpu_tests "${PER_FILE_LIMIT:-300}" "tests/spec/test_spec_engine.py -k cuda" "tests/test_parity.py -k graph_replay"

@@ -5,14 +5,8 @@
 set -uo pipefail
 . benchmarks/device_setup.sh
 dest=${OUT:-$PWD/benchmarks/results}
-for spec in "tests/spec/test_spec_engine.py -k cuda" "tests/spec/test_state_rollback.py -k cuda" \
-    "tests/test_parity.py -k graph_replay"; do
-  log="$logs/$(echo "$spec" | tr ' /:' '___').log"
-  timeout "${PER_FILE_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -s -rfEs $spec >"$log" 2>&1
-  echo "== $spec rc=$?"
-  grep -E "FAILED|ERROR|Error|assert" "$log" | head -n 12
-  tail -n 2 "$log"
-done
+run_gpu_tests "${PER_FILE_LIMIT:-330}" "tests/spec/test_spec_engine.py -k cuda" \
+  "tests/spec/test_state_rollback.py -k cuda" "tests/test_parity.py -k graph_replay"
 cd benchmarks
 timeout "${COST_LIMIT:-240}" python3 spec_verify_cost.py --model "${MODEL:-random:small}" --batches "${BATCHES:-1,16,64}" \
   --ks "${KS:-0,1,3}" --context "${CONTEXT:-2048}" --steps 24 --warmup 4 --cache-memory "${CACHE_MEMORY:-8GiB}" --out "$dest/spec_verify_cost.json" 2>&1 \

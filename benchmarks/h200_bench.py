@@ -384,14 +384,18 @@ def timed_steps(engine: Any, n: int) -> dict[str, float | int | None]:
         total = time.perf_counter() - t0
     finally:
         del core.scheduler.schedule, core.executor.execute_model  # back to the class methods
+    schedule = statistics.mean(sched_s) if sched_s else 0.0
+    execute = statistics.mean(exec_s) if exec_s else 0.0
     return {"step_s": total / n,
             "step_s_median": statistics.median(model_steps) if model_steps else None,
             "step_s_min": min(model_steps) if model_steps else None,
             "steps_with_model": len(model_steps), "steps_without_model": len(idle_steps),
-            "schedule_s": statistics.mean(sched_s) if sched_s else 0.0,
-            "execute_model_s": statistics.mean(exec_s) if exec_s else 0.0,
-            "rest_of_step_s": total / n - (statistics.mean(sched_s) if sched_s else 0.0)
-            - (statistics.mean(exec_s) if exec_s else 0.0)}
+            "schedule_s": schedule, "execute_model_s": execute, "rest_of_step_s": total / n - schedule - execute}
+
+
+def median_step(timing: dict[str, Any]) -> float:
+    """The median of the steps that ran the model (the mean step where none did, or an older JSON lacks it)."""
+    return timing.get("step_s_median") or timing["step_s"]
 
 
 PROFILED_BATCHES = (1, 64)
@@ -462,7 +466,7 @@ def section_decode(run: Run) -> dict[str, Any]:
             uniform = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, b)
             distinct, source = (measured, "measured_decode_step") if measured is not None else (uniform, "uniform")
             nbytes = decode_step_bytes(cfg, b, total_context, distinct)
-            step_s = timing["step_s_median"] or timing["step_s"]  # the median of steps that ran the model
+            step_s = median_step(timing)
             # mbu: from the mean step (every step, as reported before); mbu_median: from the median of the
             # steps that ran the model, the figure the goals use
             gbps = {k: decode_step_bytes(cfg, b, total_context, v)["total"] / t / 1e9
@@ -653,8 +657,7 @@ def table(results: dict[str, Any]) -> str:
         kernels = r.get("profile", {}).get("kernel_us_per_step")
         mode = "on" if r.get("async_scheduling") else "off"
         rows.append(("decode", f"B={r['batch']} ctx {r['mean_context']:.0f} async {mode}",
-                     f"median {(r['step_s_median'] or r['step_s']) * 1e3:.2f} ms/step, "
-                     f"{r['batch'] / (r['step_s_median'] or r['step_s']):,.0f} tok/s",
+                     f"median {median_step(r) * 1e3:.2f} ms/step, {r['batch'] / median_step(r):,.0f} tok/s",
                      f"MBU {pct(r.get('mbu_median', r['mbu']))} (mean step {pct(r['mbu'])})"
                      + (f", kernels {kernels / 1e3:.2f} ms" if kernels else ""),
                      ">= 60% MBU" if r["batch"] in (1, 64) else ""))

@@ -41,6 +41,15 @@ def methods(k: int) -> dict[str, dict | None]:
     }
 
 
+def chosen_methods(names: str, k: int) -> dict[str, dict | None]:
+    """The methods named in `names` (comma-separated), in `methods`' order; an unknown name is refused."""
+    known = methods(k)
+    wanted = set(names.split(","))
+    if wanted - set(known):
+        raise SystemExit(f"unknown --methods {sorted(wanted - set(known))}; known: {list(known)}")
+    return {name: spec for name, spec in known.items() if name in wanted}
+
+
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
@@ -85,13 +94,7 @@ def main() -> None:
     rows = []
     print(f"{'workload':>8} {'method':>11} {'batch':>5} {'tok/s':>8} {'speedup':>7} {'accept':>6} {'mean len':>8} "
           "per position", flush=True)
-    chosen_methods = {"off", *args.methods.split(",")}
-    unknown = chosen_methods - set(methods(args.k))
-    if unknown:
-        raise SystemExit(f"unknown --methods {sorted(unknown)}; known: {list(methods(args.k))}")
-    for method, spec in methods(args.k).items():
-        if method not in chosen_methods:
-            continue
+    for method, spec in chosen_methods("off," + args.methods, args.k).items():  # the baseline first, always
         llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=max(batches),
                   cache_memory=args.cache_memory)
         for prompts in workloads.values():  # warm-up: every shape the timed runs meet, on reversed prompts

@@ -2,7 +2,7 @@
 default models, their median wall time and tokens per step, and the host functions that took the most time.
 
 Each method's engine is warmed up on the same shapes (reversed prompts), then one `LLM.generate` of --batch
-held-out prompts runs twice: once with every `engine.step()` timed (median step, steps with a verify window,
+held-out prompts runs twice: once with every `engine.step()` timed (median step after the prefill, drafts made,
 output tokens per step and request), once under cProfile (deltaserve's functions by own time and by
 cumulative time; on a GPU the device work shows up where the host waits for it: the sampler's copy to the
 host). The numbers say whether drafting, verification, rollback or bookkeeping is what a step pays above a
@@ -25,7 +25,7 @@ import time
 
 import torch
 from host_step_time import machine
-from spec_acceptance import held_out_prompts, methods, run, trained_model_args
+from spec_acceptance import chosen_methods, held_out_prompts, run, trained_model_args
 
 from deltaserve import LLM
 
@@ -68,12 +68,9 @@ def main() -> None:
         "--batch": {"type": int, "default": 16}, "--top": {"type": int, "default": 25}})
     prompts = held_out_prompts(args.prompt_len)
     chosen = [prompts[i % len(prompts)] for i in range(args.batch)]
-    known = methods(args.k)
     results = []
-    for method in args.methods.split(","):
-        if method not in known:
-            raise SystemExit(f"unknown method {method!r}; known: {list(known)}")
-        llm = LLM(dtype=args.dtype, device=args.device, speculative_config=known[method], max_num_seqs=args.batch,
+    for method, spec in chosen_methods(args.methods, args.k).items():
+        llm = LLM(dtype=args.dtype, device=args.device, speculative_config=spec, max_num_seqs=args.batch,
                   cache_memory=args.cache_memory)
         run(llm, [p[::-1] for p in chosen], 8)  # warm-up on every shape, no prefix hits later
         run(llm, [p[::-1] for p in chosen], args.max_tokens)
