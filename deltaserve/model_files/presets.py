@@ -35,6 +35,19 @@ def _hub_config(
 # Byte tokenizer ids (see tokenizer.py): bytes 0..255, then <|bos|>, <|eos|>, <|pad|>, ...
 _BYTE_SPECIALS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
+# moonshotai/Kimi-Linear-48B-A3B-Instruct as published
+_fields_48b: dict[str, Any] = dict(
+    vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+    num_hidden_layers=27, full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+    num_attention_heads=32, kv_lora_rank=512, q_lora_rank=None,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    linear_num_heads=32, linear_head_dim=128,
+    num_experts=256, num_experts_per_token=8, num_shared_experts=1,
+    num_expert_group=1, topk_group=1, moe_renormalize=True, routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5, model_max_length=1048576, torch_dtype="bfloat16",
+    bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # [KDA, KDA, MLA, KDA]; layer 0 dense, the rest MoE with two expert groups.
     "tiny": _hub_config(
@@ -59,19 +72,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, model_max_length=1048576, torch_dtype="bfloat16", **_BYTE_SPECIALS,
     ),
     # moonshotai/Kimi-Linear-48B-A3B-Instruct as published.
-    "kimi-linear-48b-a3b": _hub_config(
-        vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
-        num_hidden_layers=27, full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
-        num_attention_heads=32, kv_lora_rank=512, q_lora_rank=None,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        linear_num_heads=32, linear_head_dim=128,
-        num_experts=256, num_experts_per_token=8, num_shared_experts=1,
-        num_expert_group=1, topk_group=1, moe_renormalize=True, routed_scaling_factor=2.446,
-        rms_norm_eps=1e-5, model_max_length=1048576, torch_dtype="bfloat16",
-        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-    ),
+    "kimi-linear-48b-a3b": _hub_config(**_fields_48b),
+    # The 48B's layers, eight of them ([KDA x 3, MLA] twice, layer 0 dense): about 14B parameters (28 GB
+    # in bfloat16), the 48B's per-layer costs and its KDA image to KV block ratio on one 80 GB GPU, where
+    # the full shape's 96 GB do not fit. For benchmarks; nobody's checkpoint.
+    "kimi-linear-48b-a3b-8l": _hub_config(**{**_fields_48b, "num_hidden_layers": 8, "full_attn_layers": [4, 8]}),
 }
-
 
 def preset_config(name: str) -> KimiLinearConfig:
     """The named preset as a config; an unknown name is a ValueError listing the presets."""

@@ -59,3 +59,13 @@ def test_count_parameters_by_hand_on_tiny():
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError, match=r"preset='huge'.*kimi-linear-48b-a3b.*small.*tiny"):
         preset_config("huge")
+
+
+def test_48b_8l_has_the_48b_layers_and_fits_an_80gb_gpu():
+    full, short = preset_config("kimi-linear-48b-a3b"), preset_config("kimi-linear-48b-a3b-8l")
+    assert [i + 1 for i in short.mla_layer_ids] == [4, 8] and len(short.kda_layer_ids) == 6
+    for field in ("hidden_size", "moe_intermediate_size", "num_experts", "kv_lora_rank", "linear_num_heads",
+                  "linear_head_dim", "vocab_size"):
+        assert getattr(short, field) == getattr(full, field), field
+    total, _ = count_parameters(short)
+    assert 2 * total < 32e9, total  # bfloat16 weights leave room for the cache on 80 GB
