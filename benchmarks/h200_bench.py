@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,6 +319,16 @@ def section_prefill(run: Run) -> dict[str, Any]:
         out[key] = {"seconds": t, "all_seconds": times, "tokens_per_s": n * length / t, "flops": flops,
                     "achieved_TFLOPs": flops["total"] / t / 1e12,
                     "mfu": flops["total"] / t / (rate * 1e12) if rate else None}
+        if s.get("profile_prefill"):
+            try:  # where the prefill's time goes, by kernel (a new prompt: no prefix hit)
+                fresh = random_prompts(n, length, cfg.vocab_size, seed=20 + n)
+                out[key]["profile"] = profile_kernels(
+                    lambda p=fresh: run.llm.generate(p, params, use_tqdm=False), 1, top=30)
+                prof = out[key]["profile"]
+                log(f"prefill {key}: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step'] / 1e6:.3f} s "
+                    f"of kernel time in {prof['wall_us_per_step'] / 1e6:.3f} s")
+            except Exception as e:  # a profile is a bonus: never lose the timing over it
+                out[key]["profile"] = {"error": repr(e)}
     return out
 
 
@@ -401,15 +411,18 @@ def median_step(timing: dict[str, Any]) -> float:
 PROFILED_BATCHES = (1, 64)
 
 
-def profile_steps(engine: Any, n: int, top: int = 15) -> dict[str, Any]:
-    """Kernels of n engine steps under torch.profiler: count per step and the top kernels by GPU time."""
+def profile_kernels(fn: Callable[[], Any], n: int, top: int = 15) -> dict[str, Any]:
+    """Kernels of n calls of fn under torch.profiler: count and GPU time per call, the top kernels by
+    GPU time, and the wall time per call beside the kernel time (the gap: host time and idle GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for _ in range(n):
-            engine.step()
+            fn()
         torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in kernels)
     rows = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
@@ -417,9 +430,15 @@ def profile_steps(engine: Any, n: int, top: int = 15) -> dict[str, Any]:
         "steps": n,
         "kernels_per_step": sum(e.count for e in kernels) / n,
         "kernel_us_per_step": total_us / n,
+        "wall_us_per_step": wall_s * 1e6 / n,
         "top": [{"name": e.key[:120], "calls_per_step": e.count / n, "us_per_step": e.self_device_time_total / n,
                  "share": e.self_device_time_total / total_us if total_us else None} for e in rows],
     }
+
+
+def profile_steps(engine: Any, n: int, top: int = 15) -> dict[str, Any]:
+    """Kernels of n engine steps under torch.profiler (see profile_kernels)."""
+    return profile_kernels(engine.step, n, top)
 
 
 def set_async_scheduling(engine: Any, on: bool) -> None:
@@ -698,6 +717,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--time-budget", type=float, default=None, help="seconds after which sections are skipped")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="one more prefill of each shape under torch.profiler: kernels by GPU time")
     return p.parse_args(argv)
 
 
@@ -707,6 +728,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.decode_batches:
         sizes["decode_batches"] = tuple(int(b) for b in args.decode_batches.split(","))
     preset = args.preset or sizes["preset"]
+    sizes["profile_prefill"] = args.profile_prefill
     sections = [x.strip() for x in args.only.split(",") if x.strip()]
     if set(sections) - set(SECTIONS) or not torch.cuda.is_available():
         raise SystemExit(f"--only={args.only!r} must list {', '.join(SECTIONS)}; a CUDA device is needed")

@@ -241,6 +241,10 @@ class Worker:
         assert self.model is not None
         bs = self.engine_config.block_size
         num_blocks, num_slots = plan.num_blocks + 1, plan.num_state_slots + 1
+        logger.info("cache: %d KV blocks of %d tokens (%.2f GiB), %d KDA state slots (%.2f GiB), %d checkpoint "
+                    "units of %d B (%.2f GiB)", plan.num_blocks, bs, plan.kv_bytes / 2**30, plan.num_state_slots,
+                    plan.state_bytes / 2**30, plan.num_checkpoint_units, plan.checkpoint_unit_bytes,
+                    plan.checkpoint_bytes / 2**30)
         with torch.device(self.device):
             for layer in self.model.mla_layers():
                 layer.bind_cache(torch.zeros(num_blocks, bs, self.model_config.latent_dim, dtype=self.dtype))
