@@ -323,7 +323,7 @@ def section_prefill(run: Run) -> dict[str, Any]:
             try:  # where the prefill's time goes, by kernel (a new prompt: no prefix hit)
                 fresh = random_prompts(n, length, cfg.vocab_size, seed=20 + n)
                 out[key]["profile"] = profile_kernels(
-                    lambda p=fresh: run.llm.generate(p, params, use_tqdm=False), 1, top=30)
+                    lambda p=fresh: run.llm.generate(p, params, use_tqdm=False), 1, top=30, sources=True)
                 prof = out[key]["profile"]
                 log(f"prefill {key}: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step'] / 1e6:.3f} s "
                     f"of kernel time in {prof['wall_us_per_step'] / 1e6:.3f} s")
@@ -411,13 +411,15 @@ def median_step(timing: dict[str, Any]) -> float:
 PROFILED_BATCHES = (1, 64)
 
 
-def profile_kernels(fn: Callable[[], Any], n: int, top: int = 15) -> dict[str, Any]:
+def profile_kernels(fn: Callable[[], Any], n: int, top: int = 15, sources: bool = False) -> dict[str, Any]:
     """Kernels of n calls of fn under torch.profiler: count and GPU time per call, the top kernels by
-    GPU time, and the wall time per call beside the kernel time (the gap: host time and idle GPU)."""
+    GPU time, and the wall time per call beside the kernel time (the gap: host time and idle GPU).
+    sources: also the torch ops that launched the most GPU time, by input shapes and Python stack."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sources else [])
+    with profile(activities=activities, record_shapes=sources, with_stack=sources) as prof:
         start = time.perf_counter()
         for _ in range(n):
             fn()
@@ -426,7 +428,7 @@ def profile_kernels(fn: Callable[[], Any], n: int, top: int = 15) -> dict[str, A
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in kernels)
     rows = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    return {
+    out = {
         "steps": n,
         "kernels_per_step": sum(e.count for e in kernels) / n,
         "kernel_us_per_step": total_us / n,
@@ -434,6 +436,15 @@ def profile_kernels(fn: Callable[[], Any], n: int, top: int = 15) -> dict[str, A
         "top": [{"name": e.key[:120], "calls_per_step": e.count / n, "us_per_step": e.self_device_time_total / n,
                  "share": e.self_device_time_total / total_us if total_us else None} for e in rows],
     }
+    if sources:
+        ops = [e for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=6)
+               if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+        ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        out["sources"] = [{"op": e.key, "calls_per_step": e.count / n, "us_per_step": e.self_device_time_total / n,
+                           "shapes": str(e.input_shapes)[:200],
+                           "stack": [f for f in e.stack if "deltaserve" in f or "fla" in f][:4]}
+                          for e in ops[:top]]
+    return out
 
 
 def profile_steps(engine: Any, n: int, top: int = 15) -> dict[str, Any]:

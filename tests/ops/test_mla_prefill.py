@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve.ops.mla.naive import attention_expanded
-from deltaserve.ops.mla.prefill import attention_prefill, attention_sdpa
+from deltaserve.ops.mla.prefill import CUDNN_MIN_TOKENS, attention_causal_padded, attention_prefill, attention_sdpa
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -33,3 +33,28 @@ def test_bf16_real_shape_on_cuda():
     got = attention_prefill(q, k, v, 192**-0.5, 1024).float()
     expected = attention_expanded(q.float(), k.float(), v.float(), 192**-0.5, 1024)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("n,bucket", [(5, 8), (8, 8), (13, 4), (1, 16)])
+def test_padding_a_prompt_to_its_bucket_changes_no_real_row(n, bucket):
+    heads, dqk, dv = 2, 24, 16
+    q, k = torch.randn(n, heads, dqk, dtype=torch.float64), torch.randn(n, heads, dqk, dtype=torch.float64)
+    v = torch.randn(n, heads, dv, dtype=torch.float64)
+    got = attention_causal_padded(q, k, v, dqk**-0.5, bucket)
+    assert got.shape == (n, heads, dv)
+    torch.testing.assert_close(got, attention_causal_padded(q, k, v, dqk**-0.5, 1), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got, attention_expanded(q, k, v, dqk**-0.5, 0).double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_prompt_without_context_on_cuda(dtype):
+    """bf16: the cuDNN path (V of 128 as it is, the length padded to its bucket); float32: SDPA's choice."""
+    n = CUDNN_MIN_TOKENS + 100
+    q = torch.randn(n, 4, 192, device="cuda", dtype=dtype)
+    k = torch.randn(n, 4, 192, device="cuda", dtype=dtype)
+    v = torch.randn(n, 4, 256, device="cuda", dtype=dtype)[..., 128:]  # a strided view, as the layer's
+    got = attention_prefill(q, k, v, 192**-0.5, 0).float()
+    expected = attention_expanded(q.float(), k.float(), v.float(), 192**-0.5, 0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
