@@ -104,8 +104,8 @@ class KimiDeltaAttention(nn.Module):
         if ctx.num_prefills and ctx.prefill_captures:
             rows = mixed[first_prefill_row:]
             conv_parts.append(run_in_rounds(
-                lambda xs, cu, _, slots, initial: causal_conv1d_prefill(
-                    xs[0], self.qkv_conv_weight, cu, self.conv_state, slots, initial),
+                lambda xs, cu, cu_cpu, slots, initial: causal_conv1d_prefill(
+                    xs[0], self.qkv_conv_weight, cu, self.conv_state, slots, initial, cu_seqlens_cpu=cu_cpu),
                 [rows], ctx.prefill_cu_seqlens_cpu.tolist(), ctx.prefill_state_slots, ctx.prefill_has_initial_state,
                 ctx.prefill_captures, self.capture_conv, torch.empty_like(rows),
             ))
@@ -117,6 +117,7 @@ class KimiDeltaAttention(nn.Module):
                 self.conv_state,
                 ctx.prefill_state_slots,
                 ctx.prefill_has_initial_state,
+                cu_seqlens_cpu=ctx.prefill_cu_seqlens_cpu,
             ))
         # Raw q, k, gate and beta logits: the KDA backend applies the l2 norms, the decay and the sigmoid
         # (inside fla's kernels on the GPU).
