@@ -345,8 +345,10 @@ def routing_probe(engine: Any, num_experts: int) -> Iterator[list[tuple[int, tor
 
     def wrapped(x, w13, w2, topk_weights, topk_ids, *rest, **kw):
         ids = topk_ids.reshape(-1).long()
-        hit = torch.zeros(num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids, True)
-        calls.append((topk_ids.shape[0], hit.sum()))  # summed on the device: no sync inside the step
+        # w13 stacks the routed experts and, once fused, the shared one as expert num_experts: every id
+        # indexes it, and only the routed ones are counted
+        hit = torch.zeros(w13.shape[0], dtype=torch.bool, device=ids.device).index_fill_(0, ids, True)
+        calls.append((topk_ids.shape[0], hit[:num_experts].sum()))  # summed on the device: no sync inside the step
         return original(x, w13, w2, topk_weights, topk_ids, *rest, **kw)
 
     if original is not None:

@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,3 +203,18 @@ def test_timed_steps_takes_the_median_of_steps_that_ran_the_model():
     assert timing["steps_with_model"] == 3 and timing["steps_without_model"] == 3
     assert timing["step_s_median"] >= 0.004 and timing["step_s_min"] >= 0.004
     assert timing["step_s"] < timing["step_s_median"]  # the mean is diluted by the empty steps
+
+
+def test_routing_probe_counts_routed_experts_beside_a_fused_shared_one():
+    """With the shared expert fused in as expert E, the MoE passes ids up to E: the probe counts the
+    distinct routed experts (E excluded) and indexes nothing out of range."""
+    import deltaserve.model.layers.moe as moe_layer
+
+    experts, hidden, inter = 4, 16, 8
+    w13, w2 = torch.randn(experts + 1, 2 * inter, hidden), torch.randn(experts + 1, hidden, inter)
+    ids = torch.tensor([[0, 2, experts], [2, 3, experts]])
+    weights = torch.ones(2, 3)
+    engine = SimpleNamespace(core=SimpleNamespace(executor=None))  # no runner: no graphs to set aside
+    with hb.routing_probe(engine, experts) as calls:
+        moe_layer.fused_moe(torch.randn(2, hidden), w13, w2, weights, ids, None)
+    assert [(tokens, int(hit)) for tokens, hit in calls] == [(2, 3)]
