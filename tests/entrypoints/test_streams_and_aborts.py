@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import time
@@ -164,3 +165,15 @@ def test_sigterm_aborts_what_outlives_the_drain_timeout():
         assert error["type"] == "service_unavailable" and "1 s shutdown timeout" in error["message"]
         assert server.proc.wait(60) == 0
         assert "Traceback" not in server.log
+
+
+def test_ctrl_c_stops_every_process_quietly():
+    """Ctrl-C in a terminal sends SIGINT to the whole process group: launcher, engine core and API servers
+    stop, with no traceback. (uvicorn raises the SIGINT it handled again once it has shut down; on a busy
+    server asyncio then turned it into a KeyboardInterrupt traceback. That depends on timing: an idle
+    server here did not show it before the fix either.)"""
+    with RemoteServer() as server, server.client() as client:
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        os.killpg(server.proc.pid, signal.SIGINT)
+        assert server.proc.wait(60) == 0
+        assert "Traceback" not in server.log, server.log[-3000:]

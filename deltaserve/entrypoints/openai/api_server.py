@@ -285,7 +285,12 @@ class FrontendServer:
         asyncio.get_running_loop().call_later(_EXIT_GRACE_S, setattr, self.uvicorn, "should_exit", True)
 
     def run(self, sock: socket.socket) -> None:
-        asyncio.run(self.uvicorn.serve(sockets=[sock]))
+        try:
+            asyncio.run(self.uvicorn.serve(sockets=[sock]))
+        except KeyboardInterrupt:
+            # uvicorn handles SIGINT (drains, shuts down), then raises it again for the previous handler:
+            # asyncio's, which cancels the main task if it has not ended yet. The shutdown is done by then.
+            pass
 
 
 def run_api_server(settings: FrontendSettings, sock: socket.socket) -> None:
