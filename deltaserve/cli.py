@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.set_defaults(func=_cmd_proxy)
 
     make = sub.add_parser("make-model", help="write a random-weight Kimi Linear checkpoint")
-    make.add_argument("--preset", required=True, help="tiny | small | kimi-linear-48b-a3b")
+    make.add_argument("--preset", required=True, help="tiny | small | kimi-linear-48b-a3b | kimi-linear-48b-a3b-8l")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: the preset's)")
