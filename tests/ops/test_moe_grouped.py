@@ -108,7 +108,8 @@ def test_large_batches_run_in_token_chunks(monkeypatch: pytest.MonkeyPatch) -> N
     weights, ids = _routing(tokens, experts, top_k)
     whole = grouped.grouped_fused_moe(x, w13, w2, weights, ids)
     monkeypatch.setattr(grouped, "MAX_OPERAND_ELEMENTS", 7 * top_k * hidden)  # chunks of 7 tokens
-    torch.testing.assert_close(grouped.grouped_fused_moe(x, w13, w2, weights, ids), whole, rtol=1e-6, atol=1e-6)
+    # smaller GEMMs may block their sums differently: float32 rounding, not a wrong row (1e-6 failed now and then)
+    torch.testing.assert_close(grouped.grouped_fused_moe(x, w13, w2, weights, ids), whole, rtol=1e-5, atol=1e-5)
 
 
 def test_permute_by_expert_groups_pairs_stably() -> None:

@@ -7,8 +7,8 @@ Same contract as `naive.fused_moe`. Steps, all on the device and free of host sy
 2. gather x into expert-contiguous rows [T*K, H];
 3. grouped GEMM with w13^T -> [T*K, 2I]; silu(gate) * up -> [T*K, I]; grouped GEMM with w2^T -> [T*K, H];
 4. un-permute into (token, k) order, scale by the routing weight in float32 and cast to x.dtype
-   (as the reference does per expert), then sum over k: [T, K, H] -> [T, H]. No atomics, so the
-   result is deterministic.
+   (as the reference does per expert), then sum over k: [T, K, H] -> [T, H] (`combine_pairs`; on CUDA
+   one Triton kernel, `triton_combine.py`). No atomics, so the result is deterministic.
 
 Which path runs (`grouped_mm_supported`):
 - CUDA with compute capability 9.x or 10.x (H100/H200, B200), bf16 x/w13/w2: PyTorch's CUTLASS
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.ops.moe import naive
+from deltaserve.ops.triton_kernels import cuda_kernels
 
 # TMA (CUDA) and the op's stride checks (every device) need 16-byte aligned row strides
 ALIGN_BYTES = 16
@@ -150,9 +151,25 @@ def grouped_fused_moe(
     if expert_map is not None:  # rows past offs[-1] (other ranks' pairs) were never written
         rows = torch.arange(y_sorted.shape[0], device=y_sorted.device)
         y_sorted.masked_fill_((rows >= offs[-1]).unsqueeze(-1), 0)
-    # x_sorted is dead after the first GEMM; reuse its memory for the pairs in (token, k) order
-    pairs = x_sorted.index_copy_(0, order, y_sorted).view(num_tokens, top_k, hidden)
-    # in-place mul computes in float32 (the weights' dtype) and rounds to x.dtype, like the reference
+    kernels = cuda_kernels("deltaserve.ops.moe.triton_combine") if y_sorted.device.type == "cuda" else None
+    if kernels is not None:
+        return kernels.combine_pairs(y_sorted, order, topk_weights)
+    # x_sorted is dead after the first GEMM; its memory holds the pairs in (token, k) order
+    return combine_pairs(y_sorted, order, topk_weights, out=x_sorted)
+
+
+def combine_pairs(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The combine of the expert outputs, the reference of `triton_combine.combine_pairs`.
+
+    y_sorted: [T*K, H] rows in expert order (row i is pair order[i] = t*K + k), order: [T*K] long,
+    topk_weights: [T, K] float32; out: a [T*K, H] buffer of y_sorted's dtype to hold the pairs, or None
+    -> [T, H] in y_sorted.dtype: each row times its weight in float32, rounded, summed over k.
+    """
+    num_tokens, top_k = topk_weights.shape
+    buffer = torch.empty_like(y_sorted) if out is None else out
+    pairs = buffer.index_copy_(0, order, y_sorted).view(num_tokens, top_k, y_sorted.shape[1])
+    # in-place mul computes in float32 (the weights' dtype) and rounds to the pairs' dtype, like the loop
     pairs.mul_(topk_weights.unsqueeze(-1))
     return pairs.sum(dim=1)
 
