@@ -11,7 +11,8 @@ if [ $# -eq 0 ]; then
   set -- tests/test_parity.py tests/distributed/test_multiproc_gpu.py tests/test_accuracy_gate.py \
     tests/test_prompt_logprobs.py tests/worker/test_model_runner.py tests/kv_transfer/test_pd_gpu.py \
     tests/offload/test_rank_store.py tests/offload/test_offload_engine.py tests/spec/test_state_rollback.py \
-    tests/spec/test_spec_engine.py
+    tests/spec/test_spec_engine.py tests/ops/test_mla_prefill.py tests/ops/test_conv_fla.py \
+    tests/ops/test_moe_combine_triton.py
 fi
 for test_file in "$@"; do
   log="$logs/$(basename "$test_file" .py).log"

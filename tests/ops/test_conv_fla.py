@@ -21,7 +21,7 @@ D, W = 384, 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_conv_prefill_matches_the_reference(dtype):
+def test_fla_conv_prefill_on_cuda_matches_the_reference(dtype):
     gen = torch.Generator().manual_seed(0)
     lens = [1, 2, 3, 70, 200, 5]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
