@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 20 on the device: a fresh process's startup for the shapes one card runs (the trained default target
 # and draft, random:small; the 48B shape where it fits), in MODE=tune (an empty fla config dir: every kernel
-# autotunes; the chosen configs are packed into $OUT/fla_configs.tar, to unpack into
-# deltaserve/ops/kda/fla_tuned/) or MODE=shipped (what a user gets: the kernels still autotuned are listed).
+# autotunes; the chosen configs are packed into $OUT/fla_configs.tar, to unpack into a scratch directory and
+# merge into deltaserve/ops/kda/fla_tuned/ with benchmarks/merge_fla_configs.py) or MODE=shipped (what a
+# user gets: the kernels still autotuned are listed).
 # usage: MODE=tune bash benchmarks/gpu_fla_configs.sh   (from the repository root)
 set -uo pipefail
 . benchmarks/device_setup.sh
