@@ -501,9 +501,9 @@ def section_decode(run: Run) -> dict[str, Any]:
             step_s = median_step(timing)
             # mbu: from the mean step (every step, as reported before); mbu_median: from the median of the
             # steps that ran the model, the figure the goals use
-            gbps = {k: decode_step_bytes(cfg, b, total_context, v)["total"] / t / 1e9
-                    for k, v, t in (("mbu", distinct, timing["step_s"]), ("mbu_median", distinct, step_s),
-                                    ("mbu_uniform_experts", uniform, step_s))}
+            uniform_bytes = decode_step_bytes(cfg, b, total_context, uniform)["total"]
+            gbps = {"mbu": nbytes["total"] / timing["step_s"] / 1e9, "mbu_median": nbytes["total"] / step_s / 1e9,
+                    "mbu_uniform_experts": uniform_bytes / step_s / 1e9}
             row = dict(timing, batch=b, async_scheduling=on, tokens_per_s=b / step_s, mean_context=total_context / b,
                        distinct_experts=distinct, distinct_experts_source=source, distinct_experts_measured=measured,
                        distinct_experts_uniform=uniform, bytes=nbytes,

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from deltaserve.model.layers.linear import fuse_weights
+
 # SDPA with a mask, left to choose, takes cuDNN on an H100, which builds a plan for every new shape (34 ms
 # of host time per call, and the head's key lengths change every step): the memory-efficient kernel (or the
 # math one) instead
@@ -159,7 +161,7 @@ class Eagle3Attention(nn.Module):
     def fuse_projections(self) -> None:
         """For inference: q, k and v's weights become views of one [(Nq + 2 Nkv) D, 2H] tensor, multiplied
         in one GEMM (the checkpoint's names and the state dict stay as they are)."""
-        self.qkv_weight = _fuse_weights(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = fuse_weights([self.q_proj, self.k_proj, self.v_proj])
 
     def qkv(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """u: [B, T, 2H], positions: [B, T] -> q [B, Nq, T, D], k and v [B, Nq, T, D] (kv heads repeated)."""
@@ -195,26 +197,13 @@ class Eagle3MLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """For inference: gate and up in one GEMM (their weights become views of one tensor)."""
-        self.gate_up_weight = _fuse_weights(self.gate_proj, self.up_proj)
+        self.gate_up_weight = fuse_weights([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _fuse_weights(*linears: nn.Linear) -> torch.Tensor:
-    """The linears' weights concatenated along their outputs; each linear's weight becomes a frozen view of
-    its rows, so the fused tensor is the only copy."""
-    with torch.no_grad():
-        fused = torch.cat([linear.weight for linear in linears])
-        row = 0
-        for linear in linears:
-            rows = linear.weight.shape[0]
-            linear.weight = nn.Parameter(fused[row : row + rows], requires_grad=False)
-            row += rows
-    return fused
 
 
 class Eagle3Layer(nn.Module):

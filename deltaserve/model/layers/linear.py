@@ -113,10 +113,10 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def fuse_weights(linears: Sequence[Linear]) -> torch.Tensor:
-    """One weight [sum of their out_features, in_features] for layers that read the same input, so one
-    GEMM computes all their outputs (side by side, in order). Each layer's weight becomes a view of it:
-    the layers still load and run on their own, and no memory is added."""
+def fuse_weights(linears: Sequence[Linear | nn.Linear]) -> torch.Tensor:
+    """One weight [sum of their out_features, in_features] for layers (ours or torch's) that read the same
+    input, so one GEMM computes all their outputs (side by side, in order). Each layer's weight becomes a
+    view of it: the layers still load and run on their own, and no memory is added."""
     if any(layer.bias is not None for layer in linears) or len({layer.in_features for layer in linears}) != 1:
         raise ValueError("only bias-free layers of one input size fuse")
     fused = torch.cat([layer.weight.data for layer in linears])

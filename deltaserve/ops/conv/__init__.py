@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 
 from deltaserve.ops.conv import naive
+from deltaserve.ops.conv.fla_prefill import causal_conv1d_prefill_fla
+from deltaserve.ops.kda.dispatch import select_backend  # the KDA backend decides for its conv too
 from deltaserve.ops.triton_kernels import cuda_kernels
 
 
@@ -43,11 +45,7 @@ def causal_conv1d_prefill(
 ) -> torch.Tensor:
     """x: [T, D] packed sequences, weight [D, W], pool [S, D, W - 1], slots [N], has_initial_state [N]
     -> y [T, D] (see naive.causal_conv1d_prefill); cu_seqlens_cpu: the offsets on the host, if at hand."""
-    from deltaserve.ops.kda.dispatch import select_backend  # the KDA backend decides for its conv too
-
     if select_backend(x.device) == "fla":
-        from deltaserve.ops.conv.fla_prefill import causal_conv1d_prefill_fla
-
         return causal_conv1d_prefill_fla(x, weight, cu_seqlens, conv_state_pool, state_slots, has_initial_state,
                                          activation, cu_seqlens_cpu)
     return naive.causal_conv1d_prefill(x, weight, cu_seqlens, conv_state_pool, state_slots, has_initial_state,

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops.conv.naive import initial_windows
+
 
 @functools.cache
 def _fla_causal_conv1d() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
@@ -41,10 +43,7 @@ def causal_conv1d_prefill_fla(
     if slots.numel() == 0:
         return x.new_zeros(x.shape)
     taps = weight.reshape(weight.shape[0], -1)  # [D, W]
-    windows = conv_state_pool.index_select(0, slots)  # [N, D, W - 1]
-    keep = has_initial_state.to(device=windows.device, dtype=torch.bool).view(-1, 1, 1)
-    # `where`, not a multiply: NaN / inf garbage in a fresh sequence's slot must not leak in
-    windows = torch.where(keep, windows, torch.zeros((), dtype=windows.dtype, device=windows.device))
+    windows = initial_windows(conv_state_pool, slots, has_initial_state)  # [N, D, W - 1]
     initial = F.pad(windows, (1, 0)).to(x.dtype)  # [N, D, W]: column 0 is never read
     y, final = _fla_causal_conv1d()(
         x.unsqueeze(0), weight=taps.to(x.dtype), initial_state=initial, output_final_state=True,

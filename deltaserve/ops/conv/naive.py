@@ -39,6 +39,16 @@ def _taps(weight: torch.Tensor, dim: int) -> torch.Tensor:
     return weight.float()
 
 
+def initial_windows(conv_state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor,
+                    ) -> torch.Tensor:
+    """The windows prefill continues from: pool [S, D, W - 1], slots [N] long, has_initial_state [N] bool
+    -> [N, D, W - 1] on the pool's device, zeros for sequences without one."""
+    windows = conv_state_pool.index_select(0, slots)
+    keep = has_initial_state.to(device=windows.device, dtype=torch.bool).view(-1, 1, 1)
+    # `where`, not a multiply: NaN / inf garbage in a fresh sequence's slot must not leak in
+    return torch.where(keep, windows, torch.zeros((), dtype=windows.dtype, device=windows.device))
+
+
 def causal_conv1d_prefill(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -75,10 +85,7 @@ def causal_conv1d_prefill(
     if N == 0:
         return x.new_zeros(x.shape)
 
-    windows = conv_state_pool.index_select(0, slots).to(device)  # [N, D, P]
-    keep = has_initial_state.to(device=device, dtype=torch.bool).view(-1, 1, 1)
-    # `where`, not a multiply: NaN / inf garbage in a fresh sequence's slot must not leak in.
-    windows = torch.where(keep, windows, torch.zeros((), dtype=windows.dtype, device=device))
+    windows = initial_windows(conv_state_pool, slots, has_initial_state).to(device)  # [N, D, P]
     # One table of every input a tap can see: the new tokens, then each sequence's window.
     table = torch.cat([x.float(), windows.float().transpose(1, 2).reshape(N * P, D)])
 
