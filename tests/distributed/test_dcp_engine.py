@@ -1,7 +1,8 @@
 """Decode context parallelism through `LLM` (gloo, float32, CPU): TP=2 x DCP=2 (interleave 1 and the
-block size) and TP=2 x DCP=2 x PP=2 give TP alone's greedy tokens and logprobs within 1e-4, on the
-scenarios of test_multiproc_engine (chunked prefill, prefix caching and KDA checkpoints, a multi-turn
-follow-up, preemption, an abort); the capacity grows with the group; the refusals name their cause.
+block size; and with MLA prefill attending to cached context in pieces) and TP=2 x DCP=2 x PP=2 give
+TP alone's greedy tokens and logprobs within 1e-4, on the scenarios of test_multiproc_engine (chunked
+prefill, prefix caching and KDA checkpoints, a multi-turn follow-up, preemption, an abort); the capacity
+grows with the group; the refusals name their cause.
 
 Each world is one module-scoped engine whose rank processes start once and are stopped by the
 fixture. The DCP worlds get half the KV blocks of TP alone: a block covers twice the tokens there,
@@ -27,7 +28,11 @@ WORLDS = {
                                   dcp_kv_cache_interleave_size=16, num_kv_blocks=9),
     "tp2_dcp2_pp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2, pipeline_parallel_size=2,
                          num_kv_blocks=9),
+    "tp2_dcp2_context_pieces": dict(tensor_parallel_size=2, decode_context_parallel_size=2, num_kv_blocks=9),
 }
+# the rank processes' environment, by world: MLA prefill after more than 16 tokens of context gathers it
+# from the group's stripes and attends to it in pieces of 16 (mla._attend_long_context)
+WORLD_ENV = {"tp2_dcp2_context_pieces": {"DELTASERVE_MLA_EXPANSION_TOKENS": "16"}}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,10 @@ def reference(model_dir) -> dict:
 
 @pytest.fixture(scope="module", params=list(WORLDS))
 def world(request, model_dir) -> Iterator[dict]:
-    llm = LLM(model=model_dir, **COMMON, **WORLDS[request.param])
+    with pytest.MonkeyPatch.context() as patch:  # the ranks are spawned with the environment of the moment
+        for name, value in WORLD_ENV.get(request.param, {}).items():
+            patch.setenv(name, value)
+        llm = LLM(model=model_dir, **COMMON, **WORLDS[request.param])
     try:
         yield run_scenarios(llm)
     finally:

@@ -2,8 +2,10 @@
 
 The paged cache holds, per token, only the normalised latent (kv_lora_rank values) and the shared
 k_pe (qk_rope_head_dim values). Prefill expands the latents of a sequence to per-head K/V through
-kv_b_proj; decode folds q_nope through W_UK, attends over the latents directly and maps the result
-through W_UV (the absorbed form), so expanded K/V never exist for decoding sequences.
+kv_b_proj (after a long cached context, one piece of it at a time, the pieces' attentions merged by
+log-sum-exp, so the expanded K/V stay bounded at any context length); decode folds q_nope through
+W_UK, attends over the latents directly and maps the result through W_UV (the absorbed form), so
+expanded K/V never exist for decoding sequences.
 
 Under decode context parallelism (`ForwardContext.dcp`) each rank of a DCP group stores only its
 stripe of every sequence's latents (`distributed/dcp_layout.py`). Decode all-gathers the folded
@@ -13,6 +15,8 @@ from the group (the new tokens' latents every rank has computed) and attends as 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +29,14 @@ from deltaserve.distributed.dcp_layout import DCPLayout
 from deltaserve.model.forward_context import PrefillSequence, get_forward_context
 from deltaserve.model.layers.linear import Linear, fuse_weights
 from deltaserve.model.layers.norm import RMSNorm
-from deltaserve.ops.mla import gather_latents, merge_partial_attentions, paged_mla_decode, write_latents
-from deltaserve.ops.mla.prefill import attention_prefill
+from deltaserve.ops.mla import (
+    gather_latents,
+    merge_attention_states,
+    merge_partial_attentions,
+    paged_mla_decode,
+    write_latents,
+)
+from deltaserve.ops.mla.prefill import attention_prefill, attention_prefill_with_lse
 
 # transformers builds kv_a_layernorm and q_a_layernorm with its RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -107,7 +117,8 @@ class MultiheadLatentAttention(nn.Module):
             else:
                 o_latent = self._decode_over_stripes(q_latent, q_pe, ctx.dcp)
             out[:nd] = torch.einsum("bhr,hvr->bhv", o_latent.to(x.dtype), w_uv)
-        for group in _expansion_groups(ctx.prefill_sequences):
+        short = tuple(seq for seq in ctx.prefill_sequences if seq.num_context_tokens <= EXPANSION_GROUP_TOKENS)
+        for group in _expansion_groups(short):
             # every sequence's cached latents (context and new tokens), expanded to K/V by one GEMM a group
             if ctx.dcp is None:
                 latents = [gather_latents(self.kv_cache, seq.block_ids, seq.num_context_tokens + seq.num_new_tokens)
@@ -117,16 +128,45 @@ class MultiheadLatentAttention(nn.Module):
                 for seq in group:  # the context from the DCP group's stripes, the new tokens as computed here
                     context = self._gather_context(seq.block_ids, seq.num_context_tokens, ctx.dcp)
                     latents.append(torch.cat([context, entries[_rows(seq)].to(context.dtype)]))
-            c, kpe = (latents[0] if len(latents) == 1 else torch.cat(latents)).split(
-                [self.kv_lora_rank, self.rope_dim], dim=-1)
-            kv = self.kv_b_proj(c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
-            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-            k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+            k, v = self._expand(latents[0] if len(latents) == 1 else torch.cat(latents))
             lengths = [seq.num_context_tokens + seq.num_new_tokens for seq in group]
             for seq, k_seq, v_seq in zip(group, k.split(lengths), v.split(lengths), strict=True):
                 rows = _rows(seq)
                 out[rows] = attention_prefill(q[rows], k_seq, v_seq, self.scale, seq.num_context_tokens)
+        for seq in ctx.prefill_sequences:
+            if seq.num_context_tokens > EXPANSION_GROUP_TOKENS:
+                out[_rows(seq)] = self._attend_long_context(q[_rows(seq)], seq, entries, ctx.dcp)
         return tp_all_reduce(self.o_proj(out.reshape(-1, self.num_heads * self.v_dim)))
+
+    def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached entries [L, R + P] -> K [L, H, qk_dim] and V [L, H, v_dim], through kv_b_proj."""
+        c, kpe = latents.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1), v
+
+    def _attend_long_context(self, q: torch.Tensor, seq: PrefillSequence, entries: torch.Tensor,
+                             dcp: DCPLayout | None) -> torch.Tensor:
+        """A prefill chunk after more than EXPANSION_GROUP_TOKENS of cached context: q [n, H, qk_dim] ->
+        [n, H, v_dim] in q.dtype. The new tokens attend to themselves (causal), then to the context in
+        pieces of at most EXPANSION_GROUP_TOKENS, each expanded to K/V on its own and merged by log-sum-exp,
+        so no more than one piece's K/V exist at a time (the whole context's, at 1M tokens and 32 heads,
+        would be about 40 GB)."""
+        num_context, n = seq.num_context_tokens, seq.num_new_tokens
+        if dcp is None:
+            context = None
+            new = gather_latents(self.kv_cache, seq.block_ids, num_context + n, start=num_context)
+        else:  # the context's latents from the group's stripes (a collective), expanded piece by piece
+            context = self._gather_context(seq.block_ids, num_context, dcp)
+            new = entries[_rows(seq)].to(context.dtype)
+        o, lse = attention_prefill_with_lse(q, *self._expand(new), self.scale, causal=True)
+        for start in range(0, num_context, EXPANSION_GROUP_TOKENS):
+            end = min(num_context, start + EXPANSION_GROUP_TOKENS)
+            piece = (gather_latents(self.kv_cache, seq.block_ids, end, start=start) if context is None
+                     else context[start:end])
+            o_piece, lse_piece = attention_prefill_with_lse(q, *self._expand(piece), self.scale, causal=False)
+            o, lse = merge_attention_states(o, lse, o_piece, lse_piece)
+        return o.to(q.dtype)
 
     def _decode_over_stripes(self, q_latent: torch.Tensor, q_pe: torch.Tensor, dcp: DCPLayout) -> torch.Tensor:
         """Decode under DCP. q_latent: [D, H, R], q_pe: [D, H, P] (this rank's H heads) -> o_latent
@@ -164,8 +204,10 @@ class MultiheadLatentAttention(nn.Module):
 
 
 # prefill chunks whose latents are expanded together hold at most this many cached tokens (a longer one
-# goes alone): one GEMM for many short chunks, without holding every long chunk's K/V at once
-EXPANSION_GROUP_TOKENS = 32768
+# goes alone): one GEMM for many short chunks, without holding every long chunk's K/V at once. A chunk
+# after a longer cached context expands that context in pieces of this many tokens (_attend_long_context).
+# The environment variable is for tests that need pieces on a tiny model in rank processes.
+EXPANSION_GROUP_TOKENS = int(os.environ.get("DELTASERVE_MLA_EXPANSION_TOKENS", "32768"))
 
 
 def _rows(seq: PrefillSequence) -> slice:

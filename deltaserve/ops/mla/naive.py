@@ -20,11 +20,11 @@ def write_latents(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, values: to
     flat.index_copy_(0, slot_mapping, values.to(kv_cache.dtype))
 
 
-def gather_latents(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first num_tokens cached entries of one sequence, in order.
+def gather_latents(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, start: int = 0) -> torch.Tensor:
+    """One sequence's cached entries at positions [start, num_tokens), in order.
 
     kv_cache: [num_blocks, block_size, R + P], block_ids: [nb] long (the sequence's blocks in
-    order) -> [num_tokens, R + P] in the cache dtype.
+    order) -> [num_tokens - start, R + P] in the cache dtype.
     """
     block_size = kv_cache.shape[1]
     needed = -(-num_tokens // block_size)
@@ -32,7 +32,11 @@ def gather_latents(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: 
         raise ValueError(
             f"num_tokens={num_tokens} needs {needed} blocks of {block_size} but block_ids has {block_ids.shape[0]}"
         )
-    return kv_cache[block_ids[:needed]].flatten(0, 1)[:num_tokens]
+    if not 0 <= start <= num_tokens:
+        raise ValueError(f"start={start} must lie in [0, num_tokens={num_tokens}]")
+    first = start // block_size
+    offset = start - first * block_size
+    return kv_cache[block_ids[first:needed]].flatten(0, 1)[offset: num_tokens - first * block_size]
 
 
 def attention_expanded(
@@ -52,6 +56,27 @@ def attention_expanded(
     future = torch.arange(num_keys, device=q.device)[None, :] > rows
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     return torch.einsum("hnl,lhv->nhv", probs, v.float()).to(q.dtype)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of n queries over L keys, with the log-sum-exp of each row's scores, in float32.
+
+    q: [n, H, Dqk], k: [L, H, Dqk], v: [L, H, Dv] -> (o [n, H, Dv] float32, lse [n, H] float32, the
+    natural-log sum of exp scores). causal: keys and queries are the same positions (L = n) and query i
+    sees keys j <= i; otherwise every query sees every key. The parts over disjoint key sets combine
+    with `merge_attention_states`.
+    """
+    n, num_keys = q.shape[0], k.shape[0]
+    if causal and num_keys != n:
+        raise ValueError(f"causal attention wants as many keys as queries, got {num_keys} keys for {n} queries")
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k.float()) * scale
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, n]
+    probs = _safe_exp_weights(scores, lse)
+    return torch.einsum("hnl,lhv->nhv", probs, v.float()), lse.transpose(0, 1)
 
 
 def _safe_exp_weights(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

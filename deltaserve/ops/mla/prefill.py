@@ -13,6 +13,11 @@ docs/performance.md):
 - Everything else runs the flash kernel (no plan), which wants one head size: V is zero-padded to 192.
 Other dtypes (float32) run what SDPA picks among the flash, memory-efficient and math kernels. Off CUDA,
 and as the test oracle, `naive.attention_expanded`.
+
+A chunk after a long cached context attends to it in pieces (`attention_prefill_with_lse`, merged by
+log-sum-exp in the MLA layer), so its expanded K/V never hold the whole context at once; those pieces run
+the flash kernel (half precision, V padded) or the memory-efficient kernel (float32), both of which return
+the log-sum-exp and build no plan.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from deltaserve.ops.mla.naive import attention_expanded
+from deltaserve.ops.mla.naive import attention_expanded, attention_with_lse
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +116,24 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if q.device.type == "cuda":
         return attention_sdpa(q, k, v, scale, num_context)
     return attention_expanded(q, k, v, scale, num_context)
+
+
+def attention_prefill_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes and meaning as `naive.attention_with_lse`: (o [n, H, Dv] float32, lse [n, H] float32).
+    CUDA: the flash kernel in half precision, the memory-efficient kernel otherwise (V zero-padded to the
+    q/k head size for both, which changes neither o nor lse); other devices: the float32 reference."""
+    if q.device.type != "cuda":
+        return attention_with_lse(q, k, v, scale, causal)
+    n, dv = q.shape[0], v.shape[-1]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    qh, kh, vh = _heads_first(q, k, v)
+    if q.dtype in (torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qh, kh, vh, None, True, 0.0, causal, scale=scale)[:2]
+    # out [1, H, n, D]; lse [1, H, n'] with n' >= n (the memory-efficient kernel pads its rows)
+    return out[0, :, :, :dv].transpose(0, 1).float(), lse[0, :, :n].transpose(0, 1).float()
