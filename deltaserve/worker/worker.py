@@ -200,13 +200,33 @@ class Worker:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.engine_config.gpu_memory_utilization - used_by_others
         # leave room for activations of the largest step, and for the CUDA graphs captured after the plan
-        activations = self.engine_config.max_num_batched_tokens * self._activation_bytes_per_token()
-        return int(budget - torch.cuda.memory_allocated(self.device) - activations - self.graph_memory_bytes())
+        return int(budget - torch.cuda.memory_allocated(self.device) - self.activation_reserve_bytes()
+                   - self.graph_memory_bytes())
+
+    def activation_reserve_bytes(self) -> int:
+        """What the cache budget leaves for a step's activations: a rough allowance per token of the
+        largest step, plus MLA prefill's expanded K/V, which hold up to EXPANSION_GROUP_TOKENS of cached
+        context and the step's new tokens at once (layers/mla.py), per layer in turn."""
+        tokens = self.engine_config.max_num_batched_tokens
+        return tokens * self._activation_bytes_per_token() + self._mla_expansion_bytes(tokens)
 
     def _activation_bytes_per_token(self) -> int:
         """A rough allowance for one token's activations in a forward step."""
         cfg = self.model_config
         return 4 * (cfg.hidden_size * 8 + cfg.vocab_size // 64 + cfg.intermediate_size * 2)
+
+    def _mla_expansion_bytes(self, step_tokens: int) -> int:
+        """MLA prefill's largest expansion on this rank: the latents gathered, kv_b_proj's K_nope|V, K with
+        k_pe, and V padded to the q/k head size, for EXPANSION_GROUP_TOKENS + step_tokens tokens; 0
+        without MLA layers."""
+        from deltaserve.model.layers import mla
+
+        cfg = self.model_config
+        if not cfg.mla_layer_ids:
+            return 0
+        heads = cfg.num_attention_heads // self.parallel.tensor_parallel_size
+        per_token = cfg.latent_dim + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + 2 * cfg.qk_head_dim)
+        return (mla.EXPANSION_GROUP_TOKENS + step_tokens) * per_token * self.dtype.itemsize
 
     def _decode_graphs_off(self) -> str | None:
         """Why this rank captures no decode (and verify) graphs, as the log line ends, or None when it does;
