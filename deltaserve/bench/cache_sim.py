@@ -240,6 +240,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     units = _ints(args.checkpoint_units) if args.checkpoint_units else [n // 8 for n in kv_sizes]
     if len(units) != len(kv_sizes):
         raise SystemExit(f"--checkpoint-units={args.checkpoint_units} needs one value per --kv-blocks={args.kv_blocks}")
+    intervals = _ints(args.intervals)
+    bad = [n for n in intervals if n < 1 or n % TRACE_BLOCK_TOKENS]
+    if bad or not intervals:
+        raise SystemExit(f"--intervals={args.intervals}: each must be a positive multiple of the trace's "
+                         f"{TRACE_BLOCK_TOKENS}-token blocks")
+    if not kv_sizes or min(kv_sizes + units) < 1:
+        raise SystemExit(f"--kv-blocks={args.kv_blocks} and --checkpoint-units must be positive")
     tier_sizes = parse_tier_sizes(args.tier_bytes)
     records = read_trace(args.trace, args.max_requests)
     print(
@@ -256,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         )
     results = []
     for kv_blocks, num_units in zip(kv_sizes, units, strict=True):
-        for interval in _ints(args.intervals):
+        for interval in intervals:
             for tier_bytes in tier_sizes:
                 r = run_cache_sim(
                     args.trace,

@@ -69,3 +69,13 @@ def test_main_prints_the_table_last(trace_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-5].split()[:3] == ["kv_blocks", "ckpt_units", "interval"]
     assert lines[-1].split()[:3] == ["1000", "125", "2048"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--intervals", "0"], "--intervals=0: each must be a positive multiple"),
+    (["--intervals", "2048,700"], "positive multiple of the trace's 512-token blocks"),
+    (["--kv-blocks", "0"], "must be positive"),
+])
+def test_bad_grid_values_are_refused_naming_the_flag(trace_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["--trace", trace_path, "--max-requests", "2", *flags])
