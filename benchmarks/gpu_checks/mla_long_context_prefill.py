@@ -1,12 +1,12 @@
 """GPU check of one MLA layer's prefill chunk after a long cached context (the 48B shape, bf16, TP 1):
 the context expanded to K/V in one pass against in pieces of EXPANSION_GROUP_TOKENS merged by log-sum-exp
 (`MultiheadLatentAttention._attend_long_context`). Agentic traffic resumes conversations of up to 1M
-tokens; one pass holds the whole context's K/V (about 41 KB a token at 32 heads), pieces one piece's.
+tokens; one pass holds the whole context's K/V (about 42 KB a token at 32 heads), pieces one piece's.
 
 For each context length: the layer's output difference between the two ways, the median time of
---iters forwards (CUDA events) and the peak memory one forward adds above what was allocated before it.
-A way that runs out of memory is recorded as such. Writes $OUT/mla_long_context_prefill_<date>.json (or
-benchmarks/results/) and prints a table last.
+--iters forwards after warm-up (CUDA events, `mla_prefill_attention.time_ms`) and the peak memory one
+forward adds above what was allocated before it. A way that runs out of memory is recorded as such.
+Writes $OUT/mla_long_context_prefill_<date>.json (or benchmarks/results/) and prints a table last.
 
 Usage: python benchmarks/gpu_checks/mla_long_context_prefill.py [--chunk 8192] [--contexts 16384,131072]
 """
@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -33,6 +32,9 @@ from deltaserve.model.forward_context import (  # noqa: E402
 )
 from deltaserve.model.layers import mla  # noqa: E402
 from deltaserve.model_files.presets import preset_config  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mla_prefill_attention import time_ms  # noqa: E402  (CUDA-event median after warm-up)
 
 BLOCK_SIZE = 64
 PIECES = mla.EXPANSION_GROUP_TOKENS
@@ -76,19 +78,12 @@ def measure(layer: mla.MultiheadLatentAttention, x: torch.Tensor, num_context: i
         out = forward_once(layer, x, num_context)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward_once(layer, x, num_context)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = time_ms(forward_once, (layer, x, num_context), iters)
     except torch.OutOfMemoryError as exc:
         return {"error": f"OutOfMemoryError: {str(exc).splitlines()[0][:160]}"}, None
     finally:
         mla.EXPANSION_GROUP_TOKENS = PIECES
-    return {"ms": statistics.median(times), "peak_gib": peak / 2**30}, out
+    return {"ms": ms, "peak_gib": peak / 2**30}, out
 
 
 def main() -> int:

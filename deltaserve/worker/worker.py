@@ -20,6 +20,7 @@ from deltaserve.kv_transfer.staging import staging_reserve_bytes
 from deltaserve.kv_transfer.worker_side import KVConnectorWorker
 from deltaserve.model.eagle3 import Eagle3Head
 from deltaserve.model.kimi_linear import KimiLinearForCausalLM
+from deltaserve.model.layers import mla
 from deltaserve.model.loader import load_model_from_dir, resolve_dtype
 from deltaserve.model_files.random_model import build_random_model, random_preset_name
 from deltaserve.offload.worker_side import OffloadWorker
@@ -219,8 +220,6 @@ class Worker:
         """MLA prefill's largest expansion on this rank: the latents gathered, kv_b_proj's K_nope|V, K with
         k_pe, and V padded to the q/k head size, for EXPANSION_GROUP_TOKENS + step_tokens tokens; 0
         without MLA layers."""
-        from deltaserve.model.layers import mla
-
         cfg = self.model_config
         if not cfg.mla_layer_ids:
             return 0

@@ -152,13 +152,10 @@ class MultiheadLatentAttention(nn.Module):
         pieces of at most EXPANSION_GROUP_TOKENS, each expanded to K/V on its own and merged by log-sum-exp,
         so no more than one piece's K/V exist at a time (the whole context's, at 1M tokens and 32 heads,
         would be about 40 GB)."""
-        num_context, n = seq.num_context_tokens, seq.num_new_tokens
-        if dcp is None:
-            context = None
-            new = gather_latents(self.kv_cache, seq.block_ids, num_context + n, start=num_context)
-        else:  # the context's latents from the group's stripes (a collective), expanded piece by piece
-            context = self._gather_context(seq.block_ids, num_context, dcp)
-            new = entries[_rows(seq)].to(context.dtype)
+        num_context = seq.num_context_tokens
+        new = entries[_rows(seq)].to(self.kv_cache.dtype)  # the chunk's own latents, as written to the cache
+        # under DCP the context's latents come from the group's stripes (a collective), expanded piece by piece
+        context = None if dcp is None else self._gather_context(seq.block_ids, num_context, dcp)
         o, lse = attention_prefill_with_lse(q, *self._expand(new), self.scale, causal=True)
         for start in range(0, num_context, EXPANSION_GROUP_TOKENS):
             end = min(num_context, start + EXPANSION_GROUP_TOKENS)
