@@ -23,12 +23,17 @@ real OffloadScheduler and TierIndex beside the Scheduler, a host tier of that ma
 orders it, so the tier is ideal and lossless within its capacity). 0 is HBM only, the path without
 the tier. A tier hit counts in the request's hit (`num_cached_tokens`) like an HBM hit, so hit% of
 the tier rows is HBM + tier against the same oracle.
+
+Time has no seconds here: `StepClock` counts each request's time to first token in steps and in
+tokens computed meanwhile (a step's GPU time grows with its tokens), and a tier row compares its
+tier-loaded requests with the same requests in the row without a tier (`compare_tier_loaded`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 
@@ -74,7 +79,47 @@ def oracle_hit_tokens(records: Sequence[TraceRecord]) -> list[int]:
     return hits
 
 
-def _steps(scheduler: Scheduler) -> Iterator[None]:
+class StepClock:
+    """Time in the replay's own units: steps run, and tokens computed (every chunk's tokens, a proxy
+    for a step's GPU time, which grows with the tokens it computes). Per request, the clock when it
+    was added and when its first token was sampled: its time to first token in steps and in tokens
+    computed meanwhile (its own and every other request's)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.added: dict[str, tuple[int, int]] = {}
+        self.first_token: dict[str, tuple[int, int]] = {}
+
+    def add(self, request_id: str) -> None:
+        self.added[request_id] = (self.steps, self.tokens)
+
+    def tick(self, chunks: Sequence) -> None:
+        """One step ran `chunks` (ScheduledChunk); those that sampled gave their request a token."""
+        self.steps += 1
+        self.tokens += sum(c.num_tokens for c in chunks)
+        for c in chunks:
+            if c.sample and c.request_id not in self.first_token:
+                self.first_token[c.request_id] = (self.steps, self.tokens)
+
+    def ttft(self, request_ids: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Time to first token of `request_ids` (those that sampled): in steps, counting the step that
+        sampled it, and in tokens computed from its arrival to the end of that step."""
+        done = [r for r in request_ids if r in self.first_token]
+        return ([self.first_token[r][0] - self.added[r][0] for r in done],
+                [self.first_token[r][1] - self.added[r][1] for r in done])
+
+
+def _quantiles(values: Sequence[int]) -> dict[str, float]:
+    """Median, p90 and mean (0 for none)."""
+    if not values:
+        return {"median": 0.0, "p90": 0.0, "mean": 0.0}
+    ordered = sorted(values)
+    return {"median": float(statistics.median(ordered)), "p90": float(ordered[int(0.9 * (len(ordered) - 1))]),
+            "mean": statistics.fmean(ordered)}
+
+
+def _steps(scheduler: Scheduler, clock: StepClock) -> Iterator[None]:
     """Run one scheduler step per iteration; every sampled chunk gets SAMPLED_TOKEN, and every tier
     save and load the step orders is reported done with it. A step that only saves checkpoints or
     moves tier objects is progress too (a tier load, or the end-of-sequence saves drained at the end)."""
@@ -88,6 +133,7 @@ def _steps(scheduler: Scheduler) -> Iterator[None]:
             )
         sampled = {c.request_id: SAMPLED_TOKEN for c in out.chunks if c.sample}
         scheduler.update_from_output(out, sampled, offload_output=ideal_report(meta))
+        clock.tick(out.chunks)
         yield
 
 
@@ -128,7 +174,8 @@ def run_cache_sim(
     )
     state_pool = StateSlotPool(2 * concurrency)
     scheduler = Scheduler(config, kv, state_pool, prefix_cache, offload=offload)
-    steps = _steps(scheduler)
+    clock = StepClock()
+    steps = _steps(scheduler, clock)
     num_steps = 0
     requests = []
     for i, r in enumerate(records):
@@ -141,6 +188,7 @@ def run_cache_sim(
         )
         requests.append(request)
         scheduler.add_request(request)
+        clock.add(request.request_id)
         while scheduler.num_running + scheduler.num_waiting + len(scheduler.tier_waiting) > concurrency:
             next(steps)
             num_steps += 1
@@ -156,6 +204,7 @@ def run_cache_sim(
     hit = sum(req.num_cached_tokens or 0 for req in requests)
     oracle = sum(oracle_hit_tokens(records))
     stats = prefix_cache.stats
+    ttft_steps, ttft_tokens = clock.ttft([req.request_id for req in requests])
     return {
         "kv_blocks": kv_blocks,
         "checkpoint_units": checkpoint_units,
@@ -177,6 +226,12 @@ def run_cache_sim(
         "num_preemptions": scheduler.num_preemptions_total,
         "num_steps": num_steps,
         "num_drain_steps": num_drain_steps,
+        "computed_tokens": clock.tokens,
+        "ttft_steps": _quantiles(ttft_steps),
+        "ttft_computed_tokens": _quantiles(ttft_tokens),
+        "first_token_at": {rid: [clock.first_token[rid][0] - clock.added[rid][0],
+                                 clock.first_token[rid][1] - clock.added[rid][1]] for rid in clock.first_token},
+        "tier_loaded_requests": [req.request_id for req in requests if req.tier_hit_tokens],
         **tier_results(offload, tier_bytes, tier_chunk_tokens, tier_max_pending_saves),
         "kv_free_blocks_at_end": kv.num_free_blocks,
         "state_slots_free_at_end": state_pool.num_free,
@@ -192,12 +247,14 @@ def format_table(results: Sequence[dict]) -> str:
     """One row per configuration; filed/evicted columns are rung/prompt_end/end_of_sequence/demand;
     tier is the offload tier's bytes (0: HBM only); t_loads its loads, t_loaded the KV tokens they
     moved, t_hit the tokens they added past HBM's joint hit (a state image alone adds the KV HBM
-    still held), all over every admission; skipped: the saves dropped at max_pending_saves."""
+    still held), all over every admission; skipped: the saves dropped at max_pending_saves; ttft_steps:
+    the median of steps from a request's arrival to its first token, the step sampling it included.
+    Then, per row with a tier, its tier-loaded requests' times against the same requests without it."""
     kinds = ("rung", "prompt_end", "end_of_sequence", "demand")
     header = (
         f"{'kv_blocks':>9} {'ckpt_units':>10} {'interval':>8} {'tier':>7} {'queried':>11} {'hit':>11} {'hit%':>6} "
         f"{'oracle%':>7} {'hit/orc':>7} {'t_loads':>7} {'t_loaded':>11} {'t_hit':>11} {'skipped':>7} "
-        f"{'lost_ckpt':>10} {'filed r/p/e/d':>22} {'evicted r/p/e/d':>22} {'preempt':>7}"
+        f"{'lost_ckpt':>10} {'filed r/p/e/d':>22} {'evicted r/p/e/d':>22} {'preempt':>7} {'ttft_steps':>10}"
     )
     lines = [header]
     for r in results:
@@ -209,9 +266,39 @@ def format_table(results: Sequence[dict]) -> str:
             f"{100 * r['hit_rate']:>6.2f} {100 * r['oracle_hit_rate']:>7.2f} {r['hit_over_oracle']:>7.3f} "
             f"{r['tier_loads']:>7} {r['tier_loaded_tokens']:>11} {r['tier_hit_tokens']:>11} "
             f"{r['tier_saves_skipped']:>7} "
-            f"{r['tokens_lost_to_missing_checkpoint']:>10} {filed:>22} {evicted:>22} {r['num_preemptions']:>7}"
+            f"{r['tokens_lost_to_missing_checkpoint']:>10} {filed:>22} {evicted:>22} {r['num_preemptions']:>7} "
+            f"{r['ttft_steps']['median']:>10.1f}"
         )
+    for r in results:
+        if "tier_loaded_ttft" in r:
+            t = r["tier_loaded_ttft"]
+            lines.append(
+                f"kv_blocks={r['kv_blocks']} interval={r['checkpoint_interval']} tier={format_bytes(r['tier_bytes'])}: "
+                f"{t['requests']} tier-loaded requests, median time to first token {t['steps_with']:.1f} steps "
+                f"({t['computed_tokens_with']:.0f} tokens computed) with the tier, {t['steps_without']:.1f} "
+                f"({t['computed_tokens_without']:.0f}) without")
     return "\n".join(lines)
+
+
+def compare_tier_loaded(results: list[dict]) -> None:
+    """For each row with a tier, its tier-loaded requests' time to first token against the same
+    requests in the row without a tier of the same HBM configuration (if one ran): row
+    ["tier_loaded_ttft"] = {"requests", "steps_with", "steps_without", "computed_tokens_with",
+    "computed_tokens_without"}, medians. A tier load makes its request wait for the step that loads
+    it; what that wait costs or saves shows here, in the replay's units."""
+    without = {(r["kv_blocks"], r["checkpoint_units"], r["checkpoint_interval"]): r
+               for r in results if not r["tier_bytes"]}
+    for r in results:
+        base = without.get((r["kv_blocks"], r["checkpoint_units"], r["checkpoint_interval"]))
+        if not r["tier_bytes"] or base is None:
+            continue
+        ids = [i for i in r["tier_loaded_requests"] if i in r["first_token_at"] and i in base["first_token_at"]]
+        row: dict[str, float] = {"requests": len(ids)}
+        for side, source in (("with", r), ("without", base)):
+            for k, name in enumerate(("steps", "computed_tokens")):
+                values = [source["first_token_at"][i][k] for i in ids]
+                row[f"{name}_{side}"] = float(statistics.median(values)) if values else 0.0
+        r["tier_loaded_ttft"] = row
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 print(f"kv_blocks={kv_blocks} interval={interval} tier={format_bytes(tier_bytes)}: "
                       f"{r['seconds']:.1f}s", flush=True)
                 results.append(r)
+    compare_tier_loaded(results)
+    for r in results:  # per-request lists, for compare_tier_loaded only
+        del r["first_token_at"], r["tier_loaded_requests"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -563,16 +563,17 @@ class Scheduler(TierScheduling):
         return min(num_tokens + lookahead, max(num_tokens, self.config.max_model_len))
 
     def _fit_captures(self, captures: list[tuple[int, CheckpointKind]], start: int, num_new: int,
-                      kind: CheckpointKind | None, out: _StepBuilder,
+                      kind: CheckpointKind | None,
                       ) -> tuple[list[tuple[int, CheckpointKind]], int, CheckpointKind | None]:
         """The captures, chunk length and end kind that file no more checkpoints than the pool can take
-        now (and the offload tier store without deferring): past that, the chunk ends at the last point
-        that fits (filed at its end as a chunk cut there always was), and the next step goes on."""
+        now: past that, the chunk ends at the last point that fits (filed at its end as a chunk cut there
+        always was), and the next step goes on. The offload tier's bound on saves in flight cuts no
+        chunk: saves past it are deferred (offload/scheduler_side.py). Cutting chunks to that bound took
+        the same hits in `bench cache-sim` and doubled the median steps to a first token (NOTES,
+        2026-12-07)."""
         assert self.prefix_cache is not None
         points = captures + ([(start + num_new, kind)] if kind is not None else [])
         room = self.prefix_cache.checkpoints.num_fileable
-        if self.offload is not None:
-            room = min(room, self.offload.max_pending_saves - self.offload.num_pending_saves - len(out.filed))
         if len(points) <= room:
             return captures, num_new, kind
         last, last_kind = points[max(room, 1) - 1]
@@ -607,7 +608,7 @@ class Scheduler(TierScheduling):
         window = self._verify_window(request, start, len(drafts)) if drafts else None
         state_captures = []
         if captures:
-            captures, num_new, kind = self._fit_captures(captures, start, num_new, kind, out)
+            captures, num_new, kind = self._fit_captures(captures, start, num_new, kind)
         for point, point_kind in captures:
             assert self.prefix_cache is not None
             cp = self.prefix_cache.file(request, point, point_kind)

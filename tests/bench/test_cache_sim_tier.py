@@ -5,10 +5,11 @@ is exactly the replay without one, and the tier's objects have the 48B shape's s
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
-from deltaserve.bench.cache_sim import main, run_cache_sim
+from deltaserve.bench.cache_sim import compare_tier_loaded, main, run_cache_sim
 from deltaserve.bench.cache_sim_tier import parse_tier_sizes, tier_object_bytes
 from deltaserve.offload.objects import rank_object_bytes
 
@@ -59,6 +60,23 @@ def test_a_big_tier_brings_back_what_hbm_evicted(trace_path):
         assert_nothing_leaked(r, SERIAL["kv_blocks"], SERIAL["concurrency"])
 
 
+def test_time_to_first_token_in_replay_units(trace_path):
+    """Steps and tokens computed from a request's arrival to its first token; the tier-loaded requests
+    against the same requests without the tier (a load waits a step, and saves the recompute)."""
+    rows = [run_cache_sim(trace_path, **SERIAL), run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB)]
+    compare_tier_loaded(rows)
+    hbm, tier = rows
+    # a cold 1,536-token prompt files 3 checkpoints (rungs at 512 and 1,024, its prompt-end anchor) into
+    # 2 units: a chunk ending at the second, then the rest; 1,536 tokens computed, all its own
+    assert hbm["first_token_at"]["r0"] == tier["first_token_at"]["r0"] == [2, 1536]
+    assert hbm["ttft_steps"]["median"] == statistics.median(steps for steps, _ in hbm["first_token_at"].values())
+    assert "tier_loaded_ttft" not in hbm and tier["tier_loaded_requests"] == ["r2", "r3", "r4", "r6"]
+    loaded = tier["tier_loaded_ttft"]
+    assert loaded["requests"] == tier["tier_loads"] == 4
+    assert loaded["computed_tokens_with"] < loaded["computed_tokens_without"]
+    assert tier["computed_tokens"] < hbm["computed_tokens"]
+
+
 def test_concurrent_requests_with_preemptions(trace_path):
     hbm = run_cache_sim(trace_path, **CONCURRENT)
     tier = run_cache_sim(trace_path, **CONCURRENT, tier_bytes=GiB)
@@ -105,8 +123,11 @@ def test_flags(trace_path, capsys):
     assert [r["tier_bytes"] for r in rows] == [0, GiB] and rows[1]["tier_max_pending_saves"] == 3
     lines = capsys.readouterr().out.strip().splitlines()
     assert "ideal and lossless" in lines[1]
-    assert lines[-3].split()[:4] == ["kv_blocks", "ckpt_units", "interval", "tier"]
-    assert lines[-1].split()[:4] == ["8", "2", "512", "1GiB"]
+    assert lines[-4].split()[:4] == ["kv_blocks", "ckpt_units", "interval", "tier"]
+    assert lines[-2].split()[:4] == ["8", "2", "512", "1GiB"]
+    assert lines[-1].startswith("kv_blocks=8 interval=512 tier=1GiB: 4 tier-loaded requests, median time to first")
+    assert "first_token_at" not in rows[0] and "tier_loaded_requests" not in rows[1]
+    assert rows[1]["tier_loaded_ttft"]["requests"] == 4
     with pytest.raises(ValueError, match="multiple of the checkpoint grid"):  # chunk 1024: the grid is 1024
         run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB, tier_chunk_tokens=1024)
     with pytest.raises(ValueError, match="tier-chunk-tokens=700"):
