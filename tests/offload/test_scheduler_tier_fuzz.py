@@ -227,3 +227,33 @@ def test_saves_beyond_the_bound_are_deferred_and_stored_later():
         skipped += offload.stats.saves_skipped
         dropped += offload.stats.saves_dropped
     assert skipped > dropped > 0  # some deferred saves were stored, some were gone from HBM first
+
+
+def test_the_bound_on_saves_in_flight_defers_saves_and_never_cuts_a_chunk():
+    """A cold prompt with three checkpoints on its way runs as one chunk under a bound of one save in
+    flight: one save is planned with the chunk, the other two are deferred and stored by the steps after
+    its report, while HBM still holds their checkpoints."""
+    kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), 16, enable_prefix_caching=True)
+    pc = PrefixCache(kv, CheckpointPool(4, unit_bytes=64, image_bytes=64), 8, kernel_chunk=8, offload_chunk=CHUNK)
+    offload = OffloadScheduler(TierIndex(1000, CHUNK, BS, 1, 1), max_pending_saves=1)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv,
+                  StateSlotPool(4), pc, offload=offload)
+    s.add_request(Request("r", list(range(30)), 1, (-1,)))
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert chunk.num_tokens == 30 and [n for n, _ in chunk.state_captures] == [8, 16, 24]
+    (save,) = out.offload_metadata.saves_after
+    assert offload.stats.saves_skipped == 2 and offload.num_pending_saves == 1
+    s.update_from_output(out, {"r": 7}, offload_output=OffloadOutput())
+    stored = [save.save_id]
+    for _ in range(2):  # each report frees the slot for one deferred save, stored before the next forward
+        out = s.schedule()
+        s.update_from_output(out, {}, offload_output=OffloadOutput(saves_done=stored[-1:]))
+        out = s.schedule()
+        (deferred,) = out.offload_metadata.saves_before
+        stored.append(deferred.save_id)
+        s.update_from_output(out, {}, offload_output=OffloadOutput())
+        s.check_invariants()
+    s.update_from_output(s.schedule(), {}, offload_output=OffloadOutput(saves_done=stored[-1:]))
+    assert offload.stats.saves_done == 3 and offload.stats.saves_dropped == 0 and not offload.has_pending
+    assert offload.index.snapshot()["state_images"] == 3
