@@ -18,7 +18,7 @@ bench="python3 benchmarks/h200_bench.py --preset kimi-linear-48b-a3b-8l --skip-t
 parts=${PARTS:-ops,prefill,parity,decode,spec}
 part_ops() {
   run_gpu_tests "${TEST_LIMIT:-60}" "tests/ops/test_mla_prefill.py" "tests/ops/test_conv_fla.py" "tests/ops/test_kda_fla.py" \
-    "tests/ops/test_moe_combine_triton.py" "tests/ops/test_moe_grouped.py"
+    "tests/ops/test_moe_combine_triton.py" "tests/ops/test_moe_grouped.py" "tests/ops/test_activation_triton.py"
   # one MLA layer's chunk after up to 1M tokens of context: in pieces against one pass (time, peak memory)
   timeout 150 python3 benchmarks/gpu_checks/mla_long_context_prefill.py 2>&1 | tail -n 8
 }

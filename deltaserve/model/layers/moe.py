@@ -10,6 +10,7 @@ from deltaserve.config.model_config import KimiLinearConfig
 from deltaserve.config.parallel import ParallelConfig, divide
 from deltaserve.distributed import tp_all_reduce
 from deltaserve.model.layers.linear import Linear, copy_shard, sharded_param
+from deltaserve.ops.activation import silu_and_mul
 from deltaserve.ops.moe import fused_moe, grouped_topk
 
 
@@ -30,8 +31,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (with reduce_results, summed over the TP group: every TP rank runs it)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return tp_all_reduce(out) if self.reduce_results else out
 
 

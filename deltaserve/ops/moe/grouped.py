@@ -5,7 +5,8 @@ Same contract as `naive.fused_moe`. Steps, all on the device and free of host sy
    expert e's rows, found by `searchsorted` on the sorted ids (no `bincount`: on CUDA it reads
    max(ids) back to the host to size its output);
 2. gather x into expert-contiguous rows [T*K, H];
-3. grouped GEMM with w13^T -> [T*K, 2I]; silu(gate) * up -> [T*K, I]; grouped GEMM with w2^T -> [T*K, H];
+3. grouped GEMM with w13^T -> [T*K, 2I]; silu(gate) * up -> [T*K, I] (`ops.activation`, one Triton
+   kernel on CUDA); grouped GEMM with w2^T -> [T*K, H];
 4. un-permute into (token, k) order, scale by the routing weight in float32 and cast to x.dtype
    (as the reference does per expert), then sum over k: [T, K, H] -> [T, H] (`combine_pairs`; on CUDA
    one Triton kernel, `triton_combine.py`). No atomics, so the result is deterministic.
@@ -27,8 +28,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from deltaserve.ops.activation import silu_and_mul
 from deltaserve.ops.moe import naive
 from deltaserve.ops.triton_kernels import cuda_kernels
 
@@ -144,7 +145,7 @@ def grouped_fused_moe(
     order, offs = permute_by_expert(topk_ids, num_experts)
     x_sorted = x.index_select(0, order // top_k)  # [T*K, H]
     gate_up = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)  # [T*K, 2I]
-    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [T*K, I]
+    act = silu_and_mul(gate_up)  # [T*K, I]
     del gate_up
     y_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [T*K, H]
     del act
