@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import pytest
 import torch
@@ -18,7 +17,12 @@ import torch
 pytest.importorskip("triton")
 
 from deltaserve.ops.activation import naive, silu_and_mul  # noqa: E402
-from ops.triton_interpreter import run_interpreter_worker  # noqa: E402
+from ops.triton_interpreter import (  # noqa: E402
+    case_result,
+    require_interpreted,
+    run_interpreter_worker,
+    save_case_results,
+)
 
 # case id -> (shape of gate_up, dtype, column block)
 CASES = {
@@ -43,20 +47,16 @@ def check(gate_up: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _interpreter_worker(out_path: str) -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
     from deltaserve.ops.activation import triton_silu_mul
 
-    if not isinstance(triton_silu_mul._silu_and_mul_kernel, InterpretedFunction):
-        raise RuntimeError("TRITON_INTERPRET=1 was not picked up: the kernel is compiled, not interpreted")
-    results = {}
-    for case_id, (shape, dtype, block) in CASES.items():
+    require_interpreted(triton_silu_mul._silu_and_mul_kernel)
+
+    def run_case(case_id: str) -> dict:
+        shape, dtype, block = CASES[case_id]
         gate_up = make_input(shape, dtype, torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
-        try:
-            results[case_id] = {"gate_up": gate_up, "out": triton_silu_mul.silu_and_mul(gate_up, block=block)}
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    torch.save(results, out_path)
+        return {"gate_up": gate_up, "out": triton_silu_mul.silu_and_mul(gate_up, block=block)}
+
+    save_case_results(out_path, CASES, run_case)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,7 @@ def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_interpreted_matches_reference(interpreter_results: dict, case_id: str) -> None:
-    result = interpreter_results[case_id]
-    if "error" in result:
-        pytest.fail(f"kernel raised in the interpreter:\n{result['error']}")
+    result = case_result(interpreter_results, case_id)
     check(result["gate_up"], result["out"])
 
 

@@ -8,7 +8,6 @@ end inside its last page) and block-table tails hold out-of-range ids, so a stra
 from __future__ import annotations
 
 import sys
-import traceback
 
 import pytest
 import torch
@@ -16,7 +15,12 @@ import torch
 triton = pytest.importorskip("triton")
 
 from deltaserve.ops.mla import naive, paged_mla_decode_impl  # noqa: E402
-from ops.triton_interpreter import run_interpreter_worker  # noqa: E402
+from ops.triton_interpreter import (  # noqa: E402
+    case_result,
+    require_interpreted,
+    run_interpreter_worker,
+    save_case_results,
+)
 
 R, P, H = 32, 8, 4  # small kv_lora_rank, rope dim, heads for the interpreter
 SCALE = 0.3
@@ -172,26 +176,21 @@ def _patch_interpreter() -> None:
 
 def _interpreter_worker(out_path: str) -> None:
     """Run every INTERPRETER_CASES entry through the interpreted kernels; torch.save the results."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from deltaserve.ops.mla import triton_decode
 
-    if not isinstance(triton_decode._split_kernel, InterpretedFunction):
-        raise RuntimeError("TRITON_INTERPRET=1 was not picked up: the kernels are compiled, not interpreted")
+    require_interpreted(triton_decode._split_kernel)
     _patch_interpreter()
-    results = {}
-    for case_id, spec in INTERPRETER_CASES.items():
-        spec = dict(spec)
+
+    def run_case(case_id: str) -> dict:
+        spec = dict(INTERPRETER_CASES[case_id])
         seed = sum(map(ord, case_id))
         config = triton_decode.DecodeConfig(**spec.pop("config", {}))
         num_kv_splits = spec.pop("num_kv_splits")
         case = make_case(torch.Generator().manual_seed(seed), spec.pop("seq_lens"), spec.pop("block_size"), **spec)
-        try:
-            out = triton_decode.paged_mla_decode(*case, SCALE, R, num_kv_splits=num_kv_splits, config=config)
-            results[case_id] = {"case": case, "out": out}
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    torch.save(results, out_path)
+        out = triton_decode.paged_mla_decode(*case, SCALE, R, num_kv_splits=num_kv_splits, config=config)
+        return {"case": case, "out": out}
+
+    save_case_results(out_path, INTERPRETER_CASES, run_case)
 
 
 @pytest.fixture(scope="module")
@@ -201,9 +200,7 @@ def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("case_id", list(INTERPRETER_CASES))
 def test_interpreted_matches_reference(interpreter_results: dict, case_id: str) -> None:
-    result = interpreter_results[case_id]
-    if "error" in result:
-        pytest.fail(f"kernel raised in the interpreter:\n{result['error']}")
+    result = case_result(interpreter_results, case_id)
     spec = INTERPRETER_CASES[case_id]
     # bf16 x bf16 rounds the softmax weights to bf16 (2^-9 relative) before the value dot; scores stay exact
     bf16 = spec.get("q_dtype") == torch.bfloat16

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import pytest
 import torch
@@ -17,7 +16,12 @@ import torch
 pytest.importorskip("triton")
 
 from deltaserve.ops.moe.grouped import combine_pairs  # noqa: E402
-from ops.triton_interpreter import run_interpreter_worker  # noqa: E402
+from ops.triton_interpreter import (  # noqa: E402
+    case_result,
+    require_interpreted,
+    run_interpreter_worker,
+    save_case_results,
+)
 
 # case id -> (tokens, top_k, hidden, dtype, column block)
 CASES = {
@@ -45,22 +49,18 @@ def check(inputs: dict, out: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _interpreter_worker(out_path: str) -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
     from deltaserve.ops.moe import triton_combine
 
-    if not isinstance(triton_combine._combine_kernel, InterpretedFunction):
-        raise RuntimeError("TRITON_INTERPRET=1 was not picked up: the kernel is compiled, not interpreted")
-    results = {}
-    for case_id, (tokens, top_k, hidden, dtype, block) in CASES.items():
+    require_interpreted(triton_combine._combine_kernel)
+
+    def run_case(case_id: str) -> dict:
+        tokens, top_k, hidden, dtype, block = CASES[case_id]
         inputs = make_inputs(tokens, top_k, hidden, dtype,
                              torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
-        try:
-            out = triton_combine.combine_pairs(inputs["y_sorted"], inputs["order"], inputs["weights"], block_h=block)
-            results[case_id] = {"inputs": inputs, "out": out}
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    torch.save(results, out_path)
+        out = triton_combine.combine_pairs(inputs["y_sorted"], inputs["order"], inputs["weights"], block_h=block)
+        return {"inputs": inputs, "out": out}
+
+    save_case_results(out_path, CASES, run_case)
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +70,7 @@ def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_interpreted_matches_reference(interpreter_results: dict, case_id: str) -> None:
-    result = interpreter_results[case_id]
-    if "error" in result:
-        pytest.fail(f"kernel raised in the interpreter:\n{result['error']}")
+    result = case_result(interpreter_results, case_id)
     check(result["inputs"], result["out"], CASES[case_id][3])
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import pytest
 import torch
@@ -19,7 +18,12 @@ pytest.importorskip("triton")
 
 from deltaserve.ops.conv import naive as conv_naive  # noqa: E402
 from deltaserve.ops.norm import naive as norm_naive  # noqa: E402
-from ops.triton_interpreter import run_interpreter_worker  # noqa: E402
+from ops.triton_interpreter import (  # noqa: E402
+    case_result,
+    require_interpreted,
+    run_interpreter_worker,
+    save_case_results,
+)
 
 # case id -> (kind, arguments). D values include non-powers of two; "strided" feeds a column slice.
 CASES: dict[str, tuple[str, dict]] = {
@@ -106,20 +110,16 @@ def check(kind: str, spec: dict, inputs: dict, out) -> None:
 
 
 def _interpreter_worker(out_path: str) -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
     from deltaserve.ops.norm import triton_norm
 
-    if not isinstance(triton_norm._add_rms_norm_kernel, InterpretedFunction):
-        raise RuntimeError("TRITON_INTERPRET=1 was not picked up: the kernels are compiled, not interpreted")
-    results = {}
-    for case_id, (kind, spec) in CASES.items():
+    require_interpreted(triton_norm._add_rms_norm_kernel)
+
+    def run_case(case_id: str) -> dict:
+        kind, spec = CASES[case_id]
         inputs = make_inputs(kind, spec, torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
-        try:
-            results[case_id] = {"inputs": inputs, "out": run_kernel(kind, spec, inputs)}
-        except Exception:
-            results[case_id] = {"error": traceback.format_exc()}
-    torch.save(results, out_path)
+        return {"inputs": inputs, "out": run_kernel(kind, spec, inputs)}
+
+    save_case_results(out_path, CASES, run_case)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +129,7 @@ def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_interpreted_matches_reference(interpreter_results: dict, case_id: str) -> None:
-    result = interpreter_results[case_id]
-    if "error" in result:
-        pytest.fail(f"kernel raised in the interpreter:\n{result['error']}")
+    result = case_result(interpreter_results, case_id)
     kind, spec = CASES[case_id]
     check(kind, spec, result["inputs"], result["out"])
 
