@@ -24,17 +24,55 @@ dropped (no high-water mark on either side).
 from __future__ import annotations
 
 import pickle
+import random
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+LISTEN_PORTS_START = 10000  # where free_port starts looking, below the kernel's ephemeral range
+_PORT_RNG = random.SystemRandom()  # not the seeded `random`: two processes must not try the same ports
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to bind(port 0) (Linux's default, 32768
+    to 60999, where the setting cannot be read)."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", taken: set[int] | None = None, attempts: int = 64) -> int:
+    """A port nothing listens on now, below the ephemeral range where one exists, and not in `taken`
+    (which it joins).
+
+    A port the kernel picked for bind(0) is ephemeral: until a rank binds it, any outgoing connection
+    (a rank's own TCPStore or ZeroMQ client, a test beside it) may take it as its source port, and the
+    listen then fails with EADDRINUSE (seen with two test runs starting engines at once). Random ports
+    under the ephemeral range are never handed out that way; the kernel's choice is the fallback.
+    """
+    taken = set() if taken is None else taken
+    low, _ = ephemeral_port_range()
+    candidates = ([_PORT_RNG.randrange(LISTEN_PORTS_START, low) for _ in range(attempts)]
+                  if low > LISTEN_PORTS_START else [])
+    for port in candidates + [0]:
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            chosen = s.getsockname()[1]
+        if chosen not in taken:
+            taken.add(chosen)
+            return chosen
+    raise OSError(f"no free port on {host} after {attempts} tries")
 
 
 @dataclass(frozen=True)
@@ -56,8 +94,8 @@ class EndpointPlan:
     @classmethod
     def local(cls) -> EndpointPlan:
         """Free ports on 127.0.0.1 (one node; the nodes channel is unused)."""
-        base = "tcp://127.0.0.1:"
-        return cls(*(base + str(free_port()) for _ in range(4)))
+        base, taken = "tcp://127.0.0.1:", set()
+        return cls(*(base + str(free_port(taken=taken)) for _ in range(4)))
 
 
 def dumps(message: tuple) -> bytes:
