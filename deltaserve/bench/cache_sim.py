@@ -102,12 +102,11 @@ class StepClock:
             if c.sample and c.request_id not in self.first_token:
                 self.first_token[c.request_id] = (self.steps, self.tokens)
 
-    def ttft(self, request_ids: Sequence[str]) -> tuple[list[int], list[int]]:
-        """Time to first token of `request_ids` (those that sampled): in steps, counting the step that
-        sampled it, and in tokens computed from its arrival to the end of that step."""
-        done = [r for r in request_ids if r in self.first_token]
-        return ([self.first_token[r][0] - self.added[r][0] for r in done],
-                [self.first_token[r][1] - self.added[r][1] for r in done])
+    def time_to_first_token(self) -> dict[str, list[int]]:
+        """Each request that sampled -> [steps, tokens computed] from its arrival to the end of the step
+        that sampled its first token (that step counted)."""
+        return {rid: [steps - self.added[rid][0], tokens - self.added[rid][1]]
+                for rid, (steps, tokens) in self.first_token.items()}
 
 
 def _quantiles(values: Sequence[int]) -> dict[str, float]:
@@ -204,7 +203,7 @@ def run_cache_sim(
     hit = sum(req.num_cached_tokens or 0 for req in requests)
     oracle = sum(oracle_hit_tokens(records))
     stats = prefix_cache.stats
-    ttft_steps, ttft_tokens = clock.ttft([req.request_id for req in requests])
+    first_token_at = clock.time_to_first_token()
     return {
         "kv_blocks": kv_blocks,
         "checkpoint_units": checkpoint_units,
@@ -227,10 +226,9 @@ def run_cache_sim(
         "num_steps": num_steps,
         "num_drain_steps": num_drain_steps,
         "computed_tokens": clock.tokens,
-        "ttft_steps": _quantiles(ttft_steps),
-        "ttft_computed_tokens": _quantiles(ttft_tokens),
-        "first_token_at": {rid: [clock.first_token[rid][0] - clock.added[rid][0],
-                                 clock.first_token[rid][1] - clock.added[rid][1]] for rid in clock.first_token},
+        "ttft_steps": _quantiles([steps for steps, _ in first_token_at.values()]),
+        "ttft_computed_tokens": _quantiles([tokens for _, tokens in first_token_at.values()]),
+        "first_token_at": first_token_at,
         "tier_loaded_requests": [req.request_id for req in requests if req.tier_hit_tokens],
         **tier_results(offload, tier_bytes, tier_chunk_tokens, tier_max_pending_saves),
         "kv_free_blocks_at_end": kv.num_free_blocks,
@@ -296,8 +294,7 @@ def compare_tier_loaded(results: list[dict]) -> None:
         row: dict[str, float] = {"requests": len(ids)}
         for side, source in (("with", r), ("without", base)):
             for k, name in enumerate(("steps", "computed_tokens")):
-                values = [source["first_token_at"][i][k] for i in ids]
-                row[f"{name}_{side}"] = float(statistics.median(values)) if values else 0.0
+                row[f"{name}_{side}"] = _quantiles([source["first_token_at"][i][k] for i in ids])["median"]
         r["tier_loaded_ttft"] = row
 
 

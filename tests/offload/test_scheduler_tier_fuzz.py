@@ -165,15 +165,22 @@ def test_tier_keeps_outputs_and_invariants(seed):
     assert loads > 0, "the second round must load what HBM evicted from the tier"
 
 
+def _scheduler_with_tier(units: int, max_pending_saves: int, budget: int) -> tuple[Scheduler, OffloadScheduler]:
+    """A scheduler of 16 blocks, `units` checkpoint units and a tier of ample bytes (checkpoints every 8
+    tokens, the tier's chunk grid)."""
+    kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), 16, enable_prefix_caching=True)
+    pc = PrefixCache(kv, CheckpointPool(units, unit_bytes=64, image_bytes=64), 8, kernel_chunk=8, offload_chunk=CHUNK)
+    offload = OffloadScheduler(TierIndex(1000, CHUNK, BS, 1, 1), max_pending_saves=max_pending_saves)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=64), kv,
+                  StateSlotPool(4), pc, offload=offload)
+    return s, offload
+
+
 def _one_request_in_the_tier() -> tuple[Scheduler, OffloadScheduler, Request]:
     """A scheduler whose tier index lists the first 16 tokens of a 20-token prompt (HBM holds nothing)."""
-    kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), 16, enable_prefix_caching=True)
-    pc = PrefixCache(kv, CheckpointPool(2, unit_bytes=64, image_bytes=64), 8, kernel_chunk=8, offload_chunk=CHUNK)
-    offload = OffloadScheduler(TierIndex(1000, CHUNK, BS, 1, 1), max_pending_saves=2)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64), kv,
-                  StateSlotPool(4), pc, offload=offload)
+    s, offload = _scheduler_with_tier(units=2, max_pending_saves=2, budget=32)
     request = Request("r", list(range(20)), 4, (-1,))
-    for h in offload.index.chunk_hashes(pc.block_hashes(request)):
+    for h in offload.index.chunk_hashes(s.prefix_cache.block_hashes(request)):
         offload.index.add_kv(h)
         offload.index.add_state(h)
     s.add_request(request)
@@ -233,11 +240,7 @@ def test_the_bound_on_saves_in_flight_defers_saves_and_never_cuts_a_chunk():
     """A cold prompt with three checkpoints on its way runs as one chunk under a bound of one save in
     flight: one save is planned with the chunk, the other two are deferred and stored by the steps after
     its report, while HBM still holds their checkpoints."""
-    kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), 16, enable_prefix_caching=True)
-    pc = PrefixCache(kv, CheckpointPool(4, unit_bytes=64, image_bytes=64), 8, kernel_chunk=8, offload_chunk=CHUNK)
-    offload = OffloadScheduler(TierIndex(1000, CHUNK, BS, 1, 1), max_pending_saves=1)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv,
-                  StateSlotPool(4), pc, offload=offload)
+    s, offload = _scheduler_with_tier(units=4, max_pending_saves=1, budget=64)
     s.add_request(Request("r", list(range(30)), 1, (-1,)))
     out = s.schedule()
     (chunk,) = out.chunks
