@@ -24,8 +24,13 @@ def gpu_dir_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
-def use_shipped_configs() -> Path | None:
-    """Set FLA_CONFIG_DIR / FLA_CACHE_MODE for this GPU's shipped configs; the directory, or None."""
+def use_shipped_configs(mode: str = "strict") -> Path | None:
+    """Set FLA_CONFIG_DIR / FLA_CACHE_MODE (`mode`, one of fla's FlaCacheMode values) for this GPU's
+    shipped configs; the directory, or None.
+
+    The engine uses "strict": a shape the files do not hold autotunes, so it gets its own best config.
+    The GPU tests use "fuzzy" (an entry of the same dtypes and key structure whatever its sizes), so
+    their small shapes run with a shipped config instead of autotuning each one for minutes."""
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
         return None
     import torch
@@ -36,7 +41,7 @@ def use_shipped_configs() -> Path | None:
     if not any(directory.glob("*.json")):
         return None
     os.environ["FLA_CONFIG_DIR"] = str(directory)
-    os.environ["FLA_CACHE_MODE"] = "strict"
+    os.environ["FLA_CACHE_MODE"] = mode
     return directory
 
 
