@@ -39,15 +39,18 @@ from collections.abc import Iterator, Sequence
 
 from deltaserve.bench.cache_sim_tier import (
     MODEL_PRESET,
+    ClairvoyantTierIndex,
     build_offload,
     format_bytes,
     ideal_report,
     parse_tier_sizes,
+    prompt_block_uses,
     tier_object_bytes,
     tier_results,
 )
 from deltaserve.bench.mooncake import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from deltaserve.bench.prefix_oracle import InfinitePrefixCache
+from deltaserve.core.block_hash import extend_block_hashes
 from deltaserve.core.checkpoint_pool import CheckpointPool
 from deltaserve.core.kv_cache_manager import KVCacheManager
 from deltaserve.core.kv_cache_spec import MLALatentSpec
@@ -149,6 +152,7 @@ def run_cache_sim(
     tier_bytes: int = 0,
     tier_chunk_tokens: int = TRACE_BLOCK_TOKENS,
     tier_max_pending_saves: int = 2,
+    tier_eviction: str = "lru",
 ) -> dict:
     """Replay the trace through one cache configuration; returns its numbers as plain data.
 
@@ -157,6 +161,8 @@ def run_cache_sim(
     tier_bytes > 0 adds the offload tier (chunks of tier_chunk_tokens; the checkpoint grid becomes
     lcm(512, 64, tier_chunk_tokens)); num_steps stops when the last request finishes, and the steps
     that then drain its end-of-sequence saves (into HBM units and the tier) are num_drain_steps.
+    tier_eviction "clairvoyant" evicts by the trace's future (ClairvoyantTierIndex): a bound on what
+    a better policy than the engine's LRU could reach, not a policy.
     """
     if records is None:
         records = read_trace(trace_path, max_requests)
@@ -164,7 +170,13 @@ def run_cache_sim(
     spec = MLALatentSpec(block_size=TRACE_BLOCK_TOKENS, num_layers=1, latent_dim=1, dtype_bytes=1)
     kv = KVCacheManager(spec, kv_blocks, enable_prefix_caching=True)
     checkpoints = CheckpointPool(checkpoint_units, unit_bytes=1, image_bytes=1)
-    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves)
+    if tier_eviction not in ("lru", "clairvoyant"):
+        raise ValueError(f"tier_eviction={tier_eviction!r}: lru or clairvoyant")
+    uses = None
+    if tier_eviction == "clairvoyant" and tier_bytes:
+        uses = prompt_block_uses([extend_block_hashes([], prompt_token_ids(r), TRACE_BLOCK_TOKENS) for r in records])
+    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves, uses)
+    clairvoyant = offload.index if offload is not None and isinstance(offload.index, ClairvoyantTierIndex) else None
     prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval,
                                offload_chunk=tier_chunk_tokens if offload is not None else 1)
     max_len = max((r.input_length for r in records), default=0) + max_output_tokens + 1
@@ -176,7 +188,16 @@ def run_cache_sim(
     clock = StepClock()
     steps = _steps(scheduler, clock)
     num_steps = 0
-    requests = []
+    requests: list[Request] = []
+    looked_up = 0  # requests[:looked_up] have all been admitted once
+
+    def step() -> None:
+        nonlocal looked_up
+        next(steps)
+        if clairvoyant is not None:
+            while looked_up < len(requests) and requests[looked_up].num_cached_tokens is not None:
+                looked_up += 1
+            clairvoyant.advance(looked_up)
     for i, r in enumerate(records):
         if spec.blocks_for(r.input_length + max_output_tokens) > kv_blocks:
             raise ValueError(
@@ -189,14 +210,14 @@ def run_cache_sim(
         scheduler.add_request(request)
         clock.add(request.request_id)
         while scheduler.num_running + scheduler.num_waiting + len(scheduler.tier_waiting) > concurrency:
-            next(steps)
+            step()
             num_steps += 1
     while scheduler.has_unfinished_requests():
-        next(steps)
+        step()
         num_steps += 1
     num_drain_steps = 0
     while scheduler.has_pending_saves:
-        next(steps)
+        step()
         num_drain_steps += 1
 
     queried = sum(r.input_length for r in records)
@@ -231,6 +252,7 @@ def run_cache_sim(
         "first_token_at": first_token_at,
         "tier_loaded_requests": [req.request_id for req in requests if req.tier_hit_tokens],
         **tier_results(offload, tier_bytes, tier_chunk_tokens, tier_max_pending_saves),
+        "tier_eviction": tier_eviction if tier_bytes else None,
         "kv_free_blocks_at_end": kv.num_free_blocks,
         "state_slots_free_at_end": state_pool.num_free,
         "seconds": time.perf_counter() - started,
@@ -312,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier-chunk-tokens", type=int, default=TRACE_BLOCK_TOKENS,
                    help="the tier's KV chunk in tokens, a multiple of 512")
     p.add_argument("--tier-max-pending-saves", type=int, default=2, help="tier saves in flight; more are skipped")
+    p.add_argument("--tier-eviction", choices=("lru", "clairvoyant"), default="lru",
+                   help="the tier index's eviction: lru (the engine's) or clairvoyant (by the trace's future: "
+                        "a bound on better policies, not one an engine can run)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p
 
@@ -341,8 +366,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if any(tier_sizes):
         kv_chunk_bytes, image_bytes = tier_object_bytes(args.tier_chunk_tokens)
         print(
-            f"offload tier: ideal and lossless (every save and load done in the step that orders it), LRU by "
-            f"bytes; {MODEL_PRESET} bf16 objects: KV chunk of {args.tier_chunk_tokens} tokens = {kv_chunk_bytes} B, "
+            f"offload tier: ideal and lossless (every save and load done in the step that orders it), "
+            f"{'LRU' if args.tier_eviction == 'lru' else 'clairvoyant (by the trace future: a bound)'} by bytes; "
+            f"{MODEL_PRESET} bf16 objects: KV chunk of {args.tier_chunk_tokens} tokens = {kv_chunk_bytes} B, "
             f"state image = {image_bytes} B; max_pending_saves={args.tier_max_pending_saves}"
         )
     results = []
@@ -360,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     tier_bytes=tier_bytes,
                     tier_chunk_tokens=args.tier_chunk_tokens,
                     tier_max_pending_saves=args.tier_max_pending_saves,
+                    tier_eviction=args.tier_eviction,
                 )
                 print(f"kv_blocks={kv_blocks} interval={interval} tier={format_bytes(tier_bytes)}: "
                       f"{r['seconds']:.1f}s", flush=True)

@@ -29,9 +29,15 @@ checkpoint images (the issue's count; 42 units of 1 MiB each) take 3,126,853,632
 
 from __future__ import annotations
 
+import bisect
+import heapq
+from collections import defaultdict
+from collections.abc import Sequence
+
 from deltaserve.bench.mooncake import TRACE_BLOCK_TOKENS
 from deltaserve.config.engine_config import parse_bytes
 from deltaserve.config.model_config import KimiLinearConfig
+from deltaserve.core.block_hash import BlockHash
 from deltaserve.core.kv_cache_spec import KDAStateSpec, MLALatentSpec
 from deltaserve.model_files.presets import PRESETS
 from deltaserve.offload.metadata import OffloadMetadata, OffloadOutput
@@ -63,15 +69,84 @@ def tier_object_bytes(chunk_tokens: int, preset: str = MODEL_PRESET) -> tuple[in
     return rank_object_bytes(chunk_tokens * kv.bytes_per_token), rank_object_bytes(state.bytes_per_image)
 
 
-def build_offload(tier_bytes: int, chunk_tokens: int, max_pending_saves: int) -> OffloadScheduler | None:
-    """The tier's scheduler side over a `tier_bytes` index (None for 0: HBM only)."""
+NEVER = 1 << 62  # the next use of an object no later request reads
+
+
+class ClairvoyantTierIndex(TierIndex):
+    """A bound, not a policy: the tier index evicting the object whose next reader comes last.
+
+    `uses` maps each full-block hash of the trace's prompts to the sorted indices of the requests whose
+    prompts hold it (the trace's future, which no engine knows). Eviction takes the object whose next
+    use at or after the replay's frontier (`advance`) is farthest, never-read objects first: Belady's
+    rule. With objects of two sizes and hits that need a prefix's chunks and its image together it is
+    not the exact optimum, but no recency rule is expected to beat it by much, so the gap between it
+    and LRU is what a better eviction policy could win at that capacity.
+    """
+
+    def __init__(self, *args, uses: dict[BlockHash, list[int]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._uses = uses
+        self._frontier = 0
+        self._next_use: dict[tuple[str, BlockHash], int] = {}
+        self._heap: list[tuple[int, tuple[str, BlockHash]]] = []  # (-next use, key), stale ones skipped
+        self._due: dict[int, list[tuple[str, BlockHash]]] = defaultdict(list)  # next use -> keys
+
+    def _schedule(self, key: tuple[str, BlockHash]) -> None:
+        uses = self._uses.get(key[1], [])
+        at = bisect.bisect_left(uses, self._frontier)
+        nxt = uses[at] if at < len(uses) else NEVER
+        self._next_use[key] = nxt
+        heapq.heappush(self._heap, (-nxt, key))
+        if nxt != NEVER:
+            self._due[nxt].append(key)
+
+    def advance(self, frontier: int) -> None:
+        """Every request before `frontier` has looked up: their uses are past."""
+        old, self._frontier = self._frontier, max(frontier, self._frontier)
+        for index in range(old, self._frontier):
+            for key in self._due.pop(index, []):
+                if key in self._entries and self._next_use.get(key) == index:
+                    self._schedule(key)
+
+    def _add(self, key: tuple[str, BlockHash], size: int) -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = size
+        self.used_bytes += size
+        self._schedule(key)
+        while self.used_bytes > self.capacity_bytes:
+            neg_next, victim = heapq.heappop(self._heap)
+            if victim not in self._entries or self._next_use.get(victim) != -neg_next:
+                continue  # evicted already, or rescheduled since
+            self.used_bytes -= self._entries.pop(victim)
+            del self._next_use[victim]
+            if victim[0] == "kv":
+                self.stats.kv_evictions += 1
+            else:
+                self.stats.state_evictions += 1
+
+
+def prompt_block_uses(block_hashes: Sequence[Sequence[BlockHash]]) -> dict[BlockHash, list[int]]:
+    """For ClairvoyantTierIndex: each hash -> the indices of the prompts (in order) holding it."""
+    uses: dict[BlockHash, list[int]] = defaultdict(list)
+    for i, hashes in enumerate(block_hashes):
+        for h in hashes:
+            uses[h].append(i)
+    return uses
+
+
+def build_offload(tier_bytes: int, chunk_tokens: int, max_pending_saves: int,
+                  uses: dict[BlockHash, list[int]] | None = None) -> OffloadScheduler | None:
+    """The tier's scheduler side over a `tier_bytes` index (None for 0: HBM only); with `uses`, the
+    clairvoyant index (a bound for eviction policies) instead of LRU."""
     if tier_bytes == 0:
         return None
     if chunk_tokens <= 0 or chunk_tokens % TRACE_BLOCK_TOKENS:
         raise ValueError(f"--tier-chunk-tokens={chunk_tokens} must be a positive multiple of the "
                          f"{TRACE_BLOCK_TOKENS}-token trace block")
     kv_chunk_bytes, image_bytes = tier_object_bytes(chunk_tokens)
-    index = TierIndex(tier_bytes, chunk_tokens, TRACE_BLOCK_TOKENS, kv_chunk_bytes, image_bytes)
+    sizes = (tier_bytes, chunk_tokens, TRACE_BLOCK_TOKENS, kv_chunk_bytes, image_bytes)
+    index = TierIndex(*sizes) if uses is None else ClairvoyantTierIndex(*sizes, uses=uses)
     return OffloadScheduler(index, max_pending_saves)
 
 
