@@ -68,6 +68,9 @@ _ENGINE_FLAGS: list[tuple[str, dict]] = [
     ("--kv-offloading-max-pending-saves", dict(type=int, default=None,
                                                help="saves in flight to the tier (default: 2 x the pipeline "
                                                     "stage count); more are skipped")),
+    ("--kv-offloading-admission", dict(default="all", choices=("all", "cache_control"),
+                                       help="which requests the tier saves: all, or cache_control (only those "
+                                            "whose request carries cache_control: {\"type\": \"ephemeral\"})")),
     ("--distributed-executor-backend", dict(default=None,
                                             help="uniproc | mp (default: mp with more than one rank)")),
     ("--nnodes", dict(type=int, default=1, help="nodes the ranks span (each runs world size / nnodes ranks)")),

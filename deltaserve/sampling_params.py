@@ -49,6 +49,27 @@ def lone_surrogate_error(where: str, text: str) -> str | None:
     return None
 
 
+CACHE_CONTROL_TYPES = ("ephemeral",)
+
+
+def cache_control_error(where: str, value: object) -> str | None:
+    """Why `value` is not a cache_control hint ({"type": "ephemeral"}, as Anthropic's prompt caching and
+    Dynamo's agent hints spell it), naming `where`; None if it is one (or None)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in CACHE_CONTROL_TYPES or set(value) != {"type"}:
+        return (f"{where}={value!r}: cache_control must be {{\"type\": \"ephemeral\"}} (a TTL or other keys are "
+                "not supported: the tier keeps a hinted prefix by recency)")
+    return None
+
+
+def wants_cache(params: object) -> bool:
+    """Whether a request's SamplingParams carry extra_args["cache_control"] (the offload tier's
+    admission hint, --kv-offloading-admission cache_control)."""
+    extra = getattr(params, "extra_args", None)
+    return bool(extra) and extra.get("cache_control") is not None
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion.
@@ -69,7 +90,9 @@ class SamplingParams:
         `RequestOutput.prompt_logprobs`. Such a request computes its whole prompt (no prefix-cache hit).
     detokenize: False skips text entirely (text is "", stop strings are not checked).
     extra_args: extensions outside these fields, as vLLM's; "kv_transfer_params" (a dict) drives a KV
-        connector under prefill/decode disaggregation (deltaserve/kv_transfer).
+        connector under prefill/decode disaggregation (deltaserve/kv_transfer); "cache_control"
+        ({"type": "ephemeral"}) asks the offload tier to keep this request's prefix, which matters under
+        --kv-offloading-admission cache_control (only hinted requests are saved to the tier then).
     """
 
     n: int = 1
@@ -136,6 +159,11 @@ class SamplingParams:
         for i, t in enumerate(self.stop_token_ids):
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids[{i}]={t!r} must be a non-negative int")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args={self.extra_args!r} must be a dict or None")
+        message = cache_control_error('extra_args["cache_control"]', (self.extra_args or {}).get("cache_control"))
+        if message is not None:
+            raise ValueError(message)
 
     @property
     def greedy(self) -> bool:

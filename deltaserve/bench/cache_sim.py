@@ -58,6 +58,7 @@ from deltaserve.core.prefix_cache import PrefixCache
 from deltaserve.core.request import Request
 from deltaserve.core.scheduler import Scheduler, SchedulerConfig
 from deltaserve.core.state_pool import StateSlotPool
+from deltaserve.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = -1  # never a prompt token (prompt tokens are >= 0)
 
@@ -80,6 +81,12 @@ def oracle_hit_tokens(records: Sequence[TraceRecord]) -> list[int]:
         hits.append(cache.hit_tokens(r.hash_ids, r.input_length, TRACE_BLOCK_TOKENS))
         cache.insert(r.hash_ids[: r.input_length // TRACE_BLOCK_TOKENS])
     return hits
+
+
+def continues_later(uses: dict, hashes: Sequence, index: int) -> bool:
+    """Whether a later prompt extends request `index`'s, whose full blocks hash to `hashes`: holds the
+    hash of its last full block (`uses`: prompt_block_uses over the trace's prompts)."""
+    return bool(hashes) and uses[hashes[-1]][-1] > index
 
 
 class StepClock:
@@ -153,6 +160,7 @@ def run_cache_sim(
     tier_chunk_tokens: int = TRACE_BLOCK_TOKENS,
     tier_max_pending_saves: int = 2,
     tier_eviction: str = "lru",
+    tier_admission: str = "all",
 ) -> dict:
     """Replay the trace through one cache configuration; returns its numbers as plain data.
 
@@ -162,7 +170,9 @@ def run_cache_sim(
     lcm(512, 64, tier_chunk_tokens)); num_steps stops when the last request finishes, and the steps
     that then drain its end-of-sequence saves (into HBM units and the tier) are num_drain_steps.
     tier_eviction "clairvoyant" evicts by the trace's future (ClairvoyantTierIndex): a bound on what
-    a better policy than the engine's LRU could reach, not a policy.
+    a better policy than the engine's LRU could reach, not a policy. tier_admission "continuing" runs
+    the engine's cache_control admission with the hint on the requests a later prompt extends (a client
+    that knows which conversations it will continue, as an agent loop does); "all" saves every request.
     """
     if records is None:
         records = read_trace(trace_path, max_requests)
@@ -172,16 +182,23 @@ def run_cache_sim(
     checkpoints = CheckpointPool(checkpoint_units, unit_bytes=1, image_bytes=1)
     if tier_eviction not in ("lru", "clairvoyant"):
         raise ValueError(f"tier_eviction={tier_eviction!r}: lru or clairvoyant")
-    uses = None
-    if tier_eviction == "clairvoyant" and tier_bytes:
-        uses = prompt_block_uses([extend_block_hashes([], prompt_token_ids(r), TRACE_BLOCK_TOKENS) for r in records])
-    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves, uses)
+    if tier_admission not in ("all", "continuing"):
+        raise ValueError(f"tier_admission={tier_admission!r}: all or continuing")
+    prompt_hashes: list = []
+    uses: dict = {}
+    if tier_bytes and (tier_eviction == "clairvoyant" or tier_admission == "continuing"):
+        prompt_hashes = [extend_block_hashes([], prompt_token_ids(r), TRACE_BLOCK_TOKENS) for r in records]
+        uses = prompt_block_uses(prompt_hashes)
+    hinted = SamplingParams(extra_args={"cache_control": {"type": "ephemeral"}}) if prompt_hashes else None
+    uses_for_index = uses if tier_bytes and tier_eviction == "clairvoyant" else None
+    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves, uses_for_index)
     clairvoyant = offload.index if offload is not None and isinstance(offload.index, ClairvoyantTierIndex) else None
     prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval,
                                offload_chunk=tier_chunk_tokens if offload is not None else 1)
     max_len = max((r.input_length for r in records), default=0) + max_output_tokens + 1
     config = SchedulerConfig(
-        max_num_seqs=concurrency, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len
+        max_num_seqs=concurrency, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
+        offload_admission="cache_control" if hinted is not None and tier_admission == "continuing" else "all",
     )
     state_pool = StateSlotPool(2 * concurrency)
     scheduler = Scheduler(config, kv, state_pool, prefix_cache, offload=offload)
@@ -206,6 +223,8 @@ def run_cache_sim(
         request = Request(
             f"r{i}", prompt_token_ids(r), max_tokens=max(1, min(r.output_length, max_output_tokens)), arrival_index=i
         )
+        if hinted is not None and tier_admission == "continuing" and continues_later(uses, prompt_hashes[i], i):
+            request.sampling_params = hinted
         requests.append(request)
         scheduler.add_request(request)
         clock.add(request.request_id)
@@ -253,6 +272,7 @@ def run_cache_sim(
         "tier_loaded_requests": [req.request_id for req in requests if req.tier_hit_tokens],
         **tier_results(offload, tier_bytes, tier_chunk_tokens, tier_max_pending_saves),
         "tier_eviction": tier_eviction if tier_bytes else None,
+        "tier_admission": tier_admission if tier_bytes else None,
         "kv_free_blocks_at_end": kv.num_free_blocks,
         "state_slots_free_at_end": state_pool.num_free,
         "seconds": time.perf_counter() - started,
@@ -337,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier-eviction", choices=("lru", "clairvoyant"), default="lru",
                    help="the tier index's eviction: lru (the engine's) or clairvoyant (by the trace's future: "
                         "a bound on better policies, not one an engine can run)")
+    p.add_argument("--tier-admission", choices=("all", "continuing"), default="all",
+                   help="which requests the tier saves: all, or continuing (cache_control admission with the hint "
+                        "on the requests a later prompt extends, as a client that knows it will continue sends)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p
 
@@ -387,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     tier_chunk_tokens=args.tier_chunk_tokens,
                     tier_max_pending_saves=args.tier_max_pending_saves,
                     tier_eviction=args.tier_eviction,
+                    tier_admission=args.tier_admission,
                 )
                 print(f"kv_blocks={kv_blocks} interval={interval} tier={format_bytes(tier_bytes)}: "
                       f"{r['seconds']:.1f}s", flush=True)

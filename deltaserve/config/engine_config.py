@@ -48,6 +48,9 @@ def json_object(value: str | dict[str, Any], what: str) -> dict[str, Any]:
     return value
 
 
+OFFLOADING_ADMISSIONS = ("all", "cache_control")  # kv_offloading_admission
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` and `deltaserve generate/serve` accept besides sampling."""
@@ -113,6 +116,10 @@ class EngineConfig:
     kv_offloading_remote: str | None = None
     kv_offloading_chunk_size: int = 256
     kv_offloading_max_pending_saves: int | None = None
+    # which requests the tier saves: "all" (write-through of every checkpoint), or "cache_control": only
+    # those whose SamplingParams.extra_args carry a cache_control hint (the client marks the conversations
+    # it will come back to; the others stay in HBM's prefix cache only)
+    kv_offloading_admission: str = "all"
     # speculative decoding (vLLM's speculative_config): a SpeculativeConfig, its JSON text or a dict, e.g.
     # {"method": "ngram", "num_speculative_tokens": 3}; None: every step decodes one token per request
     speculative_config: Any = None
@@ -215,6 +222,9 @@ class EngineConfig:
         if pending is not None and (not isinstance(pending, int) or pending < 1):
             raise ValueError(f"kv_offloading_max_pending_saves={pending!r} must be a positive integer (unset: "
                              "twice the pipeline stage count)")
+        if self.kv_offloading_admission not in OFFLOADING_ADMISSIONS:
+            raise ValueError(f"kv_offloading_admission={self.kv_offloading_admission!r} must be one of "
+                             f"{', '.join(OFFLOADING_ADMISSIONS)}")
         if (self.kv_offloading_disk_path is None) != (self.kv_offloading_disk_size is None):
             raise ValueError("kv_offloading_disk_path and kv_offloading_disk_size go together: the directory of "
                              "the disk tier and the bytes it may take (summed over the ranks)")

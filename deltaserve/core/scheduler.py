@@ -89,6 +89,8 @@ class SchedulerConfig:
     # prefill tokens a step may take while it also decodes (0: up to max_num_batched_tokens): bounds how
     # much a long prompt's chunk slows the running requests' next token
     max_prefill_tokens_with_decodes: int = 0
+    # the offload tier saves every request's checkpoints ("all"), or only hinted ones ("cache_control")
+    offload_admission: str = "all"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -296,7 +298,7 @@ class Scheduler(TierScheduling):
             # can overwrite the blocks freed now
             n = boundary // self.kv_cache_manager.block_size
             tier = ((pc.block_hashes(request)[:n], self.kv_cache_manager.block_ids(request.request_id)[:n])
-                    if self.offload is not None else None)
+                    if self._offloads(request) else None)
             self._saves_before_next_step.append((cp, StateSave(slot, list(cp.unit_ids)), tier))
 
     def _chain_cached(self, request: Request, num_tokens: int) -> bool:
@@ -673,7 +675,7 @@ class Scheduler(TierScheduling):
                 continue
             pc.checkpoints.publish(cp.block_hash)
             record.saved.append(cp)
-            if self.offload is not None:  # write-through: the tier stores it after this step's saves_after
+            if self._offloads(request):  # write-through: the tier stores it after this step's saves_after
                 self.offload.plan_save(pc.block_hashes(request), self.kv_cache_manager.block_ids(request.request_id),
                                        cp.num_tokens, cp.unit_ids, before_forward=False, checkpoint=cp)
 

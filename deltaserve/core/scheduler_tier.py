@@ -11,12 +11,20 @@ from deltaserve.core.request import Request, RequestStatus
 from deltaserve.core.scheduler_output import NewRequestData
 from deltaserve.offload.metadata import OffloadOutput
 from deltaserve.offload.tier_index import TierHit
+from deltaserve.sampling_params import wants_cache
 
 if TYPE_CHECKING:
     from deltaserve.core.scheduler import StepRecord, _StepBuilder
 
 
 class TierScheduling:
+    def _offloads(self, request: Request) -> bool:
+        """Whether the tier stores this request's checkpoints: all of them, or under the
+        "cache_control" admission only those of requests that carry the hint."""
+        if self.offload is None:
+            return False
+        return self.config.offload_admission == "all" or wants_cache(request.sampling_params)
+
     def _plan_deferred_saves(self, record: StepRecord) -> None:
         """Offload tier: saves deferred at max_pending_saves, planned before this step's forward while
         there is room, if HBM still holds their written checkpoint (pinned until this step is reported,

@@ -194,6 +194,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_model_len,
                 max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
+                offload_admission=config.kv_offloading_admission,
                 # only the last stage knows a sampled token: under PP a decode waits for it; so does a
                 # verify window, for the tokens the previous one accepted
                 decode_ahead=config.pipeline_parallel_size == 1 and config.speculative_config is None,

@@ -171,3 +171,19 @@ def test_clairvoyant_eviction_on_the_small_trace(trace_path):
     assert_nothing_leaked(bound, SERIAL["kv_blocks"], SERIAL["concurrency"])
     with pytest.raises(ValueError, match="tier_eviction"):
         run_cache_sim(trace_path, **SERIAL, tier_bytes=size, tier_eviction="lfu")
+
+
+def test_continuing_admission_saves_only_what_a_later_prompt_extends(trace_path):
+    """`--tier-admission continuing` hints the requests a later prompt extends (holds their last full
+    block): the 1st, 3rd and 4th of the small trace. The 2nd is not (the 4th branches from it, its last
+    block edited), so the 4th's 3,072-token hit on it is lost; the others' hits stay, the tier stores
+    less, and nothing leaks."""
+    every = run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB)
+    hinted = run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB, tier_admission="continuing")
+    assert hinted["tier_admission"] == "continuing" and every["tier_admission"] == "all"
+    assert every["hit_tokens"] == ORACLE_TOKENS and hinted["hit_tokens"] == ORACLE_TOKENS - 3072
+    assert hinted["tier_saves_done"] < every["tier_saves_done"]
+    assert hinted["tier_index"]["used_bytes"] < every["tier_index"]["used_bytes"]
+    assert_nothing_leaked(hinted, SERIAL["kv_blocks"], SERIAL["concurrency"])
+    with pytest.raises(ValueError, match="tier_admission"):
+        run_cache_sim(trace_path, **SERIAL, tier_bytes=GiB, tier_admission="some")

@@ -3,6 +3,7 @@ lengths, agentic sessions growing to their target, and settings refused by the f
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -130,3 +131,26 @@ def test_request_limits():
     assert BenchConfig(concurrency=[1, 8]).num_requests_at(8) == 80
     assert BenchConfig(num_requests=5).num_requests_at(8) == 5
     assert BenchConfig(duration_s=30.0).num_requests_at(8) is None
+
+
+def test_agentic_cache_control_marks_every_turn_but_a_known_last():
+    """--agentic-cache-control: every turn that could be followed by another carries the hint (sent as
+    cache_control: {"type": "ephemeral"}); the session's last turn does not, here where the minimal next
+    turn cannot fit. Off (the default), no turn carries it."""
+    from deltaserve.bench.serve.client import CompletionClient
+
+    config = AgenticConfig(system_prompt_len=300, tool_definitions_len=200, user_prompt_len=50,
+                           tool_result_len=(40, 40), answer_len=(10, 10), target_context_len=1000,
+                           cache_control=True)
+    session = AgenticWorkload(config, VOCAB, seed=1, salt=5, max_model_len=None).session(0, 0)
+    specs = []
+    while (spec := session.next_request()) is not None:
+        specs.append(spec)
+        session.add_turn(None, spec.max_tokens)
+    assert len(specs) > 2 and [s.cache_control for s in specs] == [True] * (len(specs) - 1) + [False]
+    client = CompletionClient("http://127.0.0.1:1", "m")
+    assert client.payload(specs[0])["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in client.payload(specs[-1])
+    asyncio.run(client.__aexit__())
+    plain = AgenticWorkload(AgenticConfig(**{**config.__dict__, "cache_control": False}), VOCAB, 1, 5, None)
+    assert not plain.session(0, 0).next_request().cache_control

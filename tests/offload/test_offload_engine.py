@@ -287,3 +287,24 @@ def test_cuda_tier_gives_what_a_roomy_hbm_cache_gives(model_dir):
     finally:
         roomy.shutdown()
         tier.shutdown()
+
+
+def test_cache_control_admission_saves_only_hinted_requests(model_dir, reference):
+    """--kv-offloading-admission cache_control: the sessions without the hint save nothing to the tier
+    (outputs as without it); a request that carries {"type": "ephemeral"} is saved; nothing is held."""
+    llm = LLM(model=model_dir, **COMMON, **SMALL_HBM, **TIER, kv_offloading_size="64MiB",
+              kv_offloading_admission="cache_control")
+    try:
+        assert_same(run_sessions(llm), reference)
+        offload = llm.get_metrics()["offload"]
+        assert offload["saves_planned"] == offload["saves_done"] == 0 and offload["loads_done"] == 0
+        hinted = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                extra_args={"cache_control": {"type": "ephemeral"}})
+        llm.generate([{"prompt_token_ids": random_prompts([200], 320, seed=9)[0]}], hinted, use_tqdm=False)
+        offload = llm.get_metrics()["offload"]
+        assert offload["saves_done"] > 0 and offload["pending_saves"] == 0
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="kv_offloading_admission"):
+        LLM(model=model_dir, **COMMON, kv_offloading_size="64MiB", kv_offloading_admission="hinted")

@@ -31,6 +31,7 @@ from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.offload.metadata import OffloadMetadata, OffloadOutput, OffloadSave
 from deltaserve.offload.scheduler_side import OffloadScheduler
 from deltaserve.offload.tier_index import TierIndex
+from deltaserve.sampling_params import SamplingParams
 
 CHUNK = 8  # two blocks of 4; the checkpoint grid (kernel chunk 8) is the same
 
@@ -165,14 +166,16 @@ def test_tier_keeps_outputs_and_invariants(seed):
     assert loads > 0, "the second round must load what HBM evicted from the tier"
 
 
-def _scheduler_with_tier(units: int, max_pending_saves: int, budget: int) -> tuple[Scheduler, OffloadScheduler]:
+def _scheduler_with_tier(units: int, max_pending_saves: int, budget: int,
+                         admission: str = "all") -> tuple[Scheduler, OffloadScheduler]:
     """A scheduler of 16 blocks, `units` checkpoint units and a tier of ample bytes (checkpoints every 8
     tokens, the tier's chunk grid)."""
     kv = KVCacheManager(MLALatentSpec(BS, 1, 8, 2), 16, enable_prefix_caching=True)
     pc = PrefixCache(kv, CheckpointPool(units, unit_bytes=64, image_bytes=64), 8, kernel_chunk=8, offload_chunk=CHUNK)
     offload = OffloadScheduler(TierIndex(1000, CHUNK, BS, 1, 1), max_pending_saves=max_pending_saves)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=64), kv,
-                  StateSlotPool(4), pc, offload=offload)
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=64,
+                             offload_admission=admission)
+    s = Scheduler(config, kv, StateSlotPool(4), pc, offload=offload)
     return s, offload
 
 
@@ -260,3 +263,26 @@ def test_the_bound_on_saves_in_flight_defers_saves_and_never_cuts_a_chunk():
     s.update_from_output(s.schedule(), {}, offload_output=OffloadOutput(saves_done=stored[-1:]))
     assert offload.stats.saves_done == 3 and offload.stats.saves_dropped == 0 and not offload.has_pending
     assert offload.index.snapshot()["state_images"] == 3
+
+
+def test_cache_control_admission_saves_only_hinted_requests():
+    """Under the cache_control admission a request without the hint files its checkpoints in HBM but
+    saves nothing to the tier; one with it saves as under "all". Nothing is held at the end."""
+    hint = SamplingParams(max_tokens=1, extra_args={"cache_control": {"type": "ephemeral"}})
+    for admission, params, expect_saves in (("cache_control", None, 0), ("cache_control", hint, 2),
+                                            ("all", None, 2)):
+        s, offload = _scheduler_with_tier(units=4, max_pending_saves=4, budget=64, admission=admission)
+        request = Request("r", list(range(20)), 1, (-1,), sampling_params=params)
+        s.add_request(request)
+        saves = 0
+        while s.has_unfinished_requests() or offload.has_pending or s.has_pending_saves:
+            out = s.schedule()
+            meta = out.offload_metadata
+            planned = [] if meta is None else meta.saves_before + meta.saves_after
+            saves += len(planned)
+            sampled = {c.request_id: 7 for c in out.chunks if c.sample}
+            s.update_from_output(out, sampled, offload_output=OffloadOutput(saves_done=[p.save_id for p in planned]))
+            s.check_invariants()
+        assert (saves, offload.index.snapshot()["state_images"] > 0) == (expect_saves, expect_saves > 0), admission
+        assert s.kv_cache_manager.pool.cached_block(s.prefix_cache.block_hashes(request)[1]) is not None
+        assert s.state_pool.num_free == 4

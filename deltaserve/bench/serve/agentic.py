@@ -40,6 +40,8 @@ class AgenticConfig:
     think_time_s: tuple[float, float] = (0.0, 0.0)
     cache_bust: bool = True
     cache_bust_len: int = 8
+    # send cache_control: {"type": "ephemeral"} on every turn but the one the session knows is its last
+    cache_control: bool = False
 
     def __post_init__(self) -> None:
         for flag, value in (("--agentic-system-len", self.system_prompt_len),
@@ -127,7 +129,12 @@ class AgenticSession:
             self.done = True
             return None
         self.turn += 1
-        return RequestSpec(list(self.context), answer_len, session_id=self.session_id, turn=self.turn)
+        c = self.workload.config
+        # as an agent knows it: another turn is possible unless even the shortest tool result and answer
+        # after this one would pass the target
+        more = len(self.context) + answer_len + c.tool_result_len[0] + lo <= self.workload.target_context_len
+        return RequestSpec(list(self.context), answer_len, session_id=self.session_id, turn=self.turn,
+                           cache_control=c.cache_control and more)
 
     def add_turn(self, answer_ids: list[int] | None, answer_len: int) -> bool:
         """Append the answer (the server's ids when it returned all `answer_len` of them, else synthetic

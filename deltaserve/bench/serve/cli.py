@@ -126,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     agt.add_argument("--agentic-cache-bust", action=argparse.BooleanOptionalAction, default=a.cache_bust,
                      help="start each session with a unique prefix, so its first turn is a cold prefill")
     agt.add_argument("--agentic-cache-bust-len", type=int, default=a.cache_bust_len)
+    agt.add_argument("--agentic-cache-control", action=argparse.BooleanOptionalAction, default=a.cache_control,
+                     help="send cache_control: {\"type\": \"ephemeral\"} on every turn but a session's known last "
+                          "(deltaserve's --kv-offloading-admission cache_control keeps only those in its tier)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -148,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         agentic=AgenticConfig(
             args.agentic_system_len, args.agentic_tools_len, args.agentic_user_len, args.agentic_tool_result_len,
             args.agentic_answer_len, args.agentic_target_context, args.agentic_think_time, args.agentic_cache_bust,
-            args.agentic_cache_bust_len,
+            args.agentic_cache_bust_len, args.agentic_cache_control,
         ),
     )
 

@@ -153,6 +153,8 @@ class CompletionClient:
         }
         if self.return_token_ids:
             body["return_token_ids"] = True
+        if spec.cache_control:
+            body["cache_control"] = {"type": "ephemeral"}
         body.update(self.extra_body)
         return body
 

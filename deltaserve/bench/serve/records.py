@@ -15,7 +15,8 @@ class RequestSpec:
     """One request to send: the exact prompt token ids and the exact number of tokens to generate.
 
     arrival_s: for trace replay by timestamp, when to send it, in seconds after the level starts
-    (already scaled). session_id/turn: for the agentic workload, which session and turn it is.
+    (already scaled). session_id/turn: for the agentic workload, which session and turn it is;
+    cache_control: whether the request asks the server's offload tier to keep its prefix.
     """
 
     prompt_token_ids: list[int]
@@ -23,6 +24,7 @@ class RequestSpec:
     arrival_s: float | None = None
     session_id: int | None = None
     turn: int | None = None
+    cache_control: bool = False  # send cache_control: {"type": "ephemeral"} (the offload tier's hint)
 
 
 @dataclass

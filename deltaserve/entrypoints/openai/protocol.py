@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, stop_string_error
+from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, cache_control_error, stop_string_error
 
 _MAX_INT32 = 2**31 - 1  # bound for token ids and token counts; the server checks the real limits
 _MAX_N = 128
@@ -106,6 +106,9 @@ class _SamplingRequest(_RequestModel):
     include_stop_str_in_output: bool = False
     # vLLM's P/D field: handed to the engine's KV connector as SamplingParams.extra_args["kv_transfer_params"]
     kv_transfer_params: dict[str, Any] | None = None
+    # the offload tier's admission hint, {"type": "ephemeral"} (as Anthropic's prompt caching and Dynamo's
+    # agent hints): keep this conversation's prefix; SamplingParams.extra_args["cache_control"]
+    cache_control: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -151,6 +154,14 @@ class _SamplingRequest(_RequestModel):
             raise _invalid(f"kv_transfer_params must be an object or null, not {_kind(value)}")
         return value
 
+    @field_validator("cache_control", mode="before")
+    @classmethod
+    def _check_cache_control(cls, value: Any) -> Any:
+        message = cache_control_error("cache_control", value)
+        if message is not None:
+            raise _invalid(message)
+        return value
+
     @property
     def requested_max_tokens(self) -> int | None:
         """The client's cap on generated tokens; None means up to the context length."""
@@ -180,7 +191,9 @@ class _SamplingRequest(_RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params},
+            extra_args={name: value for name, value in (("kv_transfer_params", self.kv_transfer_params),
+                                                        ("cache_control", self.cache_control))
+                        if value is not None} or None,
         )
 
 
