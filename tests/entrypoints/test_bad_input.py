@@ -62,6 +62,7 @@ COMPLETION_CASES = [
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_tokens": 0}, "max_tokens"),  # only with echo
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "1h"}}, "cache_control"),  # a TTL is not supported
 ]
 
 
@@ -86,6 +87,7 @@ CHAT_CASES = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"unknown_field": True}, "unknown_field"),
+    ({"cache_control": "ephemeral"}, "cache_control"),
 ]
 
 
