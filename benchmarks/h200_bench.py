@@ -64,7 +64,7 @@ from model_costs import (  # noqa: E402
     weight_bytes,
 )
 
-SECTIONS = ("ceilings", "prefill", "decode", "offline", "transformers")
+SECTIONS = ("ceilings", "prefill", "swiglu_ab", "decode", "offline", "transformers")
 FULL = dict(
     preset="kimi-linear-48b-a3b", copy_gib=4, matmul_n=8192, prefill_long=32768, prefill_batch=(8, 4096),
     decode_ctx=4096, decode_batches=(256, 64, 16, 1), decode_steps=20, decode_warmup=3,
@@ -286,7 +286,8 @@ def build_deltaserve(run: Run) -> dict[str, Any]:
     weights = fingerprinted(seeded_weights(cfg, args.seed, run.dtype, run.device, args.weights), cfg, prints)
     build_s, model = wall(lambda: load_model(cfg, ParallelConfig(), run.dtype, run.device, weights))
     log(f"engine: model built in {build_s:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
-    lengths = {"prefill": s["prefill_long"], "decode": s["decode_ctx"] + s["decode_max_tokens"],
+    lengths = {"prefill": s["prefill_long"], "swiglu_ab": s["prefill_long"],
+               "decode": s["decode_ctx"] + s["decode_max_tokens"],
                "offline": sum(s["offline"][1:]), "transformers": max(s["hf_prefill"], s["hf_prompt"] + s["hf_new"])}
     max_len = max(n for k, n in lengths.items() if k in run.sections) + 64  # sizes the decode graphs' tables
     options = dict(dtype=str(run.dtype).removeprefix("torch."), device=str(run.device), seed=args.seed,
@@ -329,6 +330,25 @@ def section_prefill(run: Run) -> dict[str, Any]:
                     f"of kernel time in {prof['wall_us_per_step'] / 1e6:.3f} s")
             except Exception as e:  # a profile is a bonus: never lose the timing over it
                 out[key]["profile"] = {"error": repr(e)}
+    return out
+
+
+def section_swiglu_ab(run: Run) -> dict[str, Any]:
+    """The prefill section twice in this process, on this GPU: SwiGLU as the engine runs it (one Triton
+    kernel on CUDA), then as the reference's two eager ops (`ops/activation/naive.py`, what the MLPs ran
+    before the kernel), then the kernel again, so drift between the runs shows."""
+    import deltaserve.model.layers.moe as moe_layer
+    import deltaserve.ops.moe.grouped as grouped
+    from deltaserve.ops.activation import naive
+
+    engine = (moe_layer.silu_and_mul, grouped.silu_and_mul)
+    out: dict[str, Any] = {"kernel": section_prefill(run)}
+    moe_layer.silu_and_mul = grouped.silu_and_mul = naive.silu_and_mul
+    try:
+        out["reference"] = section_prefill(run)
+    finally:
+        moe_layer.silu_and_mul, grouped.silu_and_mul = engine
+    out["kernel_again"] = section_prefill(run)
     return out
 
 
@@ -680,10 +700,14 @@ def table(results: dict[str, Any]) -> str:
     if "copy_GBps" in c:
         rows += [("ceilings", f"copy {c['copy_bytes'] / 2**30:.0f} GiB", f"{c['copy_GBps']:.0f} GB/s", "", ""),
                  ("ceilings", f"bf16 matmul {c['matmul_shape'][0]}^3", f"{c['matmul_TFLOPs']:.0f} TFLOP/s", "", "")]
-    for key, p in results.get("prefill", {}).items():
-        if isinstance(p, dict):
-            rows.append(("prefill", key, f"{p['tokens_per_s']:,.0f} tok/s ({p['seconds']:.3f} s)",
-                         f"MFU {pct(p['mfu'])}", ">= 40% MFU" if key.startswith("1x") else ""))
+    prefills = [("prefill", results.get("prefill", {}))] + [
+        (f"swiglu {variant}", shapes) for variant, shapes in results.get("swiglu_ab", {}).items()
+        if isinstance(shapes, dict)]
+    for section, shapes in prefills:
+        for key, p in shapes.items():
+            if isinstance(p, dict) and "tokens_per_s" in p:
+                rows.append((section, key, f"{p['tokens_per_s']:,.0f} tok/s ({p['seconds']:.3f} s)",
+                             f"MFU {pct(p['mfu'])}", ">= 40% MFU" if key.startswith("1x") else ""))
     decode_rows = (v for k, v in d.items() if k.startswith("batch_"))
     for r in sorted(decode_rows, key=lambda r: (r["batch"], r.get("async_scheduling", False))):
         kernels = r.get("profile", {}).get("kernel_us_per_step")
@@ -751,9 +775,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.results["metadata"] = metadata(run)
     run.save()
     log(f"{run.results['metadata']['gpu']}, preset {preset}, writing {run.out_path}")
-    if {"ceilings", "prefill", "decode"} & set(sections):  # MFU and MBU need the ceilings
+    if {"ceilings", "prefill", "swiglu_ab", "decode"} & set(sections):  # MFU and MBU need the ceilings
         run_section(run, "ceilings", section_ceilings)
-    engine_sections = [x for x in ("prefill", "decode", "offline") if x in sections]
+    engine_sections = [x for x in ("prefill", "swiglu_ab", "decode", "offline") if x in sections]
     if (engine_sections or "transformers" in sections) and run_section(run, "engine", build_deltaserve):
         for name in engine_sections:
             run_section(run, name, globals()[f"section_{name}"])
