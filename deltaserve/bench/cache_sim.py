@@ -39,7 +39,6 @@ from collections.abc import Iterator, Sequence
 
 from deltaserve.bench.cache_sim_tier import (
     MODEL_PRESET,
-    ClairvoyantTierIndex,
     build_offload,
     format_bytes,
     ideal_report,
@@ -61,6 +60,7 @@ from deltaserve.core.state_pool import StateSlotPool
 from deltaserve.sampling_params import SamplingParams
 
 SAMPLED_TOKEN = -1  # never a prompt token (prompt tokens are >= 0)
+CACHE_CONTROL_HINT = SamplingParams(extra_args={"cache_control": {"type": "ephemeral"}})
 
 
 def prompt_token_ids(record: TraceRecord) -> list[int]:
@@ -184,21 +184,21 @@ def run_cache_sim(
         raise ValueError(f"tier_eviction={tier_eviction!r}: lru or clairvoyant")
     if tier_admission not in ("all", "continuing"):
         raise ValueError(f"tier_admission={tier_admission!r}: all or continuing")
-    prompt_hashes: list = []
-    uses: dict = {}
-    if tier_bytes and (tier_eviction == "clairvoyant" or tier_admission == "continuing"):
-        prompt_hashes = [extend_block_hashes([], prompt_token_ids(r), TRACE_BLOCK_TOKENS) for r in records]
-        uses = prompt_block_uses(prompt_hashes)
-    hinted = SamplingParams(extra_args={"cache_control": {"type": "ephemeral"}}) if prompt_hashes else None
-    uses_for_index = uses if tier_bytes and tier_eviction == "clairvoyant" else None
-    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves, uses_for_index)
-    clairvoyant = offload.index if offload is not None and isinstance(offload.index, ClairvoyantTierIndex) else None
+    clairvoyant_eviction = bool(tier_bytes) and tier_eviction == "clairvoyant"
+    hint_continuing = bool(tier_bytes) and tier_admission == "continuing"
+    # the trace's future, which both read: each prompt's full-block hashes, and where each hash recurs
+    prompt_hashes = ([extend_block_hashes([], prompt_token_ids(r), TRACE_BLOCK_TOKENS) for r in records]
+                     if clairvoyant_eviction or hint_continuing else [])
+    uses = prompt_block_uses(prompt_hashes)
+    offload = build_offload(tier_bytes, tier_chunk_tokens, tier_max_pending_saves,
+                            uses if clairvoyant_eviction else None)
+    clairvoyant = offload.index if clairvoyant_eviction and offload is not None else None
     prefix_cache = PrefixCache(kv, checkpoints, checkpoint_interval,
                                offload_chunk=tier_chunk_tokens if offload is not None else 1)
     max_len = max((r.input_length for r in records), default=0) + max_output_tokens + 1
     config = SchedulerConfig(
         max_num_seqs=concurrency, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
-        offload_admission="cache_control" if hinted is not None and tier_admission == "continuing" else "all",
+        offload_admission="cache_control" if hint_continuing else "all",
     )
     state_pool = StateSlotPool(2 * concurrency)
     scheduler = Scheduler(config, kv, state_pool, prefix_cache, offload=offload)
@@ -223,8 +223,10 @@ def run_cache_sim(
         request = Request(
             f"r{i}", prompt_token_ids(r), max_tokens=max(1, min(r.output_length, max_output_tokens)), arrival_index=i
         )
-        if hinted is not None and tier_admission == "continuing" and continues_later(uses, prompt_hashes[i], i):
-            request.sampling_params = hinted
+        if prompt_hashes:
+            request.block_hashes = list(prompt_hashes[i])  # hashed already: the prefix cache extends them
+        if hint_continuing and continues_later(uses, prompt_hashes[i], i):
+            request.sampling_params = CACHE_CONTROL_HINT
         requests.append(request)
         scheduler.add_request(request)
         clock.add(request.request_id)

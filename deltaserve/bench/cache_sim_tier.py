@@ -109,21 +109,16 @@ class ClairvoyantTierIndex(TierIndex):
                     self._schedule(key)
 
     def _add(self, key: tuple[str, BlockHash], size: int) -> None:
-        if key in self._entries:
-            return
-        self._entries[key] = size
-        self.used_bytes += size
-        self._schedule(key)
-        while self.used_bytes > self.capacity_bytes:
+        if key not in self._entries:
+            self._schedule(key)
+        super()._add(key, size)
+
+    def _next_victim(self) -> tuple[str, BlockHash]:
+        while True:
             neg_next, victim = heapq.heappop(self._heap)
-            if victim not in self._entries or self._next_use.get(victim) != -neg_next:
-                continue  # evicted already, or rescheduled since
-            self.used_bytes -= self._entries.pop(victim)
-            del self._next_use[victim]
-            if victim[0] == "kv":
-                self.stats.kv_evictions += 1
-            else:
-                self.stats.state_evictions += 1
+            if victim in self._entries and self._next_use.get(victim) == -neg_next:  # else evicted or rescheduled
+                del self._next_use[victim]
+                return victim
 
 
 def prompt_block_uses(block_hashes: Sequence[Sequence[BlockHash]]) -> dict[BlockHash, list[int]]:

@@ -106,13 +106,17 @@ class TierIndex:
             return
         self._entries[key] = size
         self.used_bytes += size
-        while self.used_bytes > self.capacity_bytes:  # the tiers evict their least recently used too
-            (kind, _), evicted = self._entries.popitem(last=False)
-            self.used_bytes -= evicted
-            if kind == "kv":
+        while self.used_bytes > self.capacity_bytes:
+            victim = self._next_victim()
+            self.used_bytes -= self._entries.pop(victim)
+            if victim[0] == "kv":
                 self.stats.kv_evictions += 1
             else:
                 self.stats.state_evictions += 1
+
+    def _next_victim(self) -> tuple[str, BlockHash]:
+        """The entry to evict next: the least recently used, as the tiers evict theirs."""
+        return next(iter(self._entries))
 
     # Joint hits ----------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, hbm_hit_tokens: int,

@@ -1,5 +1,6 @@
-"""The pure helpers of benchmarks/h200_bench.py and model_costs.py on CPU: FLOP and byte formulas against hand counts on
-the tiny preset, the weight stream against make-model's, and the hub -> transformers name map."""
+"""The pure helpers of benchmarks/h200_bench.py, model_costs.py and bench_weights.py on CPU: FLOP and
+byte formulas against hand counts on the tiny preset, the weight stream against make-model's, and the
+hub -> transformers name map."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _load():
 
 hb = _load()
 mc = sys.modules["model_costs"]  # its sibling, imported by it: the FLOP and byte formulas
+bw = sys.modules["bench_weights"]  # the other sibling: the seeded weights and their copy into transformers
 TINY = preset_config("tiny")  # d 64, KDA 4 x 16 at layers 0, 1, 3, MLA (4 heads) at 2, dense 0, MoE 8 experts top-2
 BIG = preset_config("kimi-linear-48b-a3b")
 
@@ -118,27 +120,27 @@ def test_decode_step_bytes_by_hand():
 
 
 def test_device_weights_on_cpu_equal_make_models():
-    ours = dict(hb.seeded_weights(TINY, 3, torch.float32, "cpu", "device"))
+    ours = dict(bw.seeded_weights(TINY, 3, torch.float32, "cpu", "device"))
     theirs = dict(iter_random_weights(TINY, 3, torch.float32, "cpu"))
     assert list(ours) == list(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
     with pytest.raises(ValueError, match="weights='disk'"):
-        next(hb.seeded_weights(TINY, 0, torch.float32, "cpu", "disk"))
+        next(bw.seeded_weights(TINY, 0, torch.float32, "cpu", "disk"))
 
 
 def test_fingerprints_follow_the_values():
     one, two = {}, {}
-    list(hb.fingerprinted(hb.seeded_weights(TINY, 1, torch.float32, "cpu"), TINY, one))
-    list(hb.fingerprinted(hb.seeded_weights(TINY, 1, torch.float32, "cpu"), TINY, two))
+    list(bw.fingerprinted(bw.seeded_weights(TINY, 1, torch.float32, "cpu"), TINY, one))
+    list(bw.fingerprinted(bw.seeded_weights(TINY, 1, torch.float32, "cpu"), TINY, two))
     assert one == two and len(one) == 4
     other = {}
-    list(hb.fingerprinted(hb.seeded_weights(TINY, 2, torch.float32, "cpu"), TINY, other))
+    list(bw.fingerprinted(bw.seeded_weights(TINY, 2, torch.float32, "cpu"), TINY, other))
     assert all(one[k] != other[k] for k in one)
 
 
 def test_hf_target_names():
-    t = hb.hf_target
+    t = bw.hf_target
     assert t("model.embed_tokens.weight", TINY) == ("model.embed_tokens.weight", None, None)
     assert t("model.layers.1.self_attn.k_conv1d.weight", TINY) == ("model.layers.1.self_attn.conv1d.weight", None,
                                                                    slice(64, 128))
